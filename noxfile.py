@@ -1,0 +1,44 @@
+"""Sessions for tests, lint and benchmarks.
+
+Everything installs through pip (not uv) with ``constraints.txt``, because only pip finds the
+CPU torch wheel that lies on disk; uv would download a multi-GB CUDA build. Pythons are never
+downloaded: only the local 3.11 has that wheel.
+"""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.default_venv_backend = "virtualenv"
+nox.options.download_python = "never"
+nox.options.sessions = ["lint", "tests"]
+nox.options.error_on_missing_interpreters = True
+
+PYTHON = "3.11"
+PYPROJECT = nox.project.load_toml("pyproject.toml")
+
+
+def _install(session: nox.Session, *extras_and_groups: str) -> None:
+    extras = [e for e in extras_and_groups if not e.startswith("group:")]
+    groups = [g.removeprefix("group:") for g in extras_and_groups if g.startswith("group:")]
+    requirements: list[str] = []
+    for group in groups:
+        requirements += nox.project.dependency_groups(PYPROJECT, group)
+    target = f".[{','.join(extras)}]" if extras else "."
+    session.install("-c", "constraints.txt", target, *requirements)
+
+
+@nox.session(python=PYTHON)
+def tests(session: nox.Session) -> None:
+    """The test suite, against the real Mooncake engine (TCP on loopback) and the mock clock."""
+    _install(session, "mooncake", "group:tests")
+    session.run("pytest", *session.posargs, env={"GLOG_minloglevel": "2"})
+
+
+@nox.session(python=PYTHON)
+def lint(session: nox.Session) -> None:
+    """ruff (check and format) and strict mypy over the package."""
+    _install(session, "mooncake", "group:lint")
+    session.run("ruff", "check", "src", "tests", "noxfile.py")
+    session.run("ruff", "format", "--check", "src", "tests", "noxfile.py")
+    session.run("mypy")

@@ -1,0 +1,90 @@
+"""The async transfer-engine interface that request scopes are written against.
+
+The interface is deliberately the smallest Mooncake offers: register a local range, deregister
+it by start address, write bytes from local memory into a remote engine's registered memory.
+Every failing call raises :class:`EngineError` with the engine's own return code, so no caller
+can ignore a failure the way SGLang's encode server once ignored ``transfer_sync`` results.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Protocol, runtime_checkable
+
+# Mooncake's return codes that the rules below depend on (mooncake/transfer_engine error.h).
+TRANSFER_FAILED = -1
+INVALID_ADDRESS = -3
+ADDRESS_OVERLAPPED = -7
+
+EngineCall = Literal["initialize", "register", "deregister", "transfer"]
+
+
+class EngineError(Exception):
+    """A transfer-engine call returned an error code.
+
+    Carries the facts an operator needs: which call, the engine's return code, and the
+    addresses and peer involved.
+    """
+
+    def __init__(
+        self,
+        call: EngineCall,
+        code: int,
+        *,
+        address: int | None = None,
+        length: int | None = None,
+        session_id: str | None = None,
+        remote_address: int | None = None,
+        detail: str = "",
+    ) -> None:
+        self.call: EngineCall = call
+        self.code = code
+        self.address = address
+        self.length = length
+        self.session_id = session_id
+        self.remote_address = remote_address
+        self.detail = detail
+        super().__init__(self._describe())
+
+    def _describe(self) -> str:
+        parts = [f"transfer engine {self.call} failed with code {self.code}"]
+        if self.session_id is not None:
+            parts.append(f"session_id={self.session_id}")
+        if self.address is not None:
+            parts.append(f"address={self.address:#x}")
+        if self.remote_address is not None:
+            parts.append(f"remote_address={self.remote_address:#x}")
+        if self.length is not None:
+            parts.append(f"length={self.length}")
+        if self.detail:
+            parts.append(self.detail)
+        return ", ".join(parts)
+
+
+@runtime_checkable
+class TransferEngine(Protocol):
+    """What a request scope needs from a transfer engine.
+
+    Implementations must run blocking work so that a cancelled caller still waits for it to
+    finish (a worker thread cannot be cancelled; abandoning it would let the caller free memory
+    the thread still reads). Calls therefore either do not start or run to completion.
+    """
+
+    @property
+    def session_id(self) -> str:
+        """This engine's address (``host:port``) as peers name it."""
+        ...
+
+    async def register(self, address: int, length: int) -> None:
+        """Register ``[address, address + length)`` for transfers; -7 if it overlaps a live one."""
+        ...
+
+    async def deregister(self, address: int) -> None:
+        """Release the registration that starts at ``address``; -3 if there is none."""
+        ...
+
+    async def transfer(
+        self, session_id: str, local_address: int, remote_address: int, length: int
+    ) -> None:
+        """Write ``length`` bytes from local memory into ``session_id``'s memory; returns when
+        the bytes have landed."""
+        ...
