@@ -1,0 +1,48 @@
+"""Lifecycle events, for metrics and tests, without the lifecycle knowing about Prometheus."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class LifecycleObserver(Protocol):
+    """Receives every lifecycle event; the server's metrics implement it."""
+
+    def scope_opened(self, req_id: str) -> None: ...
+
+    def scope_closed(self, req_id: str, reason: str) -> None: ...
+
+    def registered(self, address: int, length: int) -> None: ...
+
+    def deregistered(self, address: int) -> None: ...
+
+    def transfer_finished(self, req_id: str, nbytes: int, seconds: float) -> None: ...
+
+    def engine_error(self, call: str, code: int) -> None: ...
+
+    def backstop_expired(self, req_id: str) -> None: ...
+
+
+class NullObserver:
+    """Ignores every event."""
+
+    def scope_opened(self, req_id: str) -> None:
+        pass
+
+    def scope_closed(self, req_id: str, reason: str) -> None:
+        pass
+
+    def registered(self, address: int, length: int) -> None:
+        pass
+
+    def deregistered(self, address: int) -> None:
+        pass
+
+    def transfer_finished(self, req_id: str, nbytes: int, seconds: float) -> None:
+        pass
+
+    def engine_error(self, call: str, code: int) -> None:
+        pass
+
+    def backstop_expired(self, req_id: str) -> None:
+        pass
