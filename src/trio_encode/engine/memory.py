@@ -1,0 +1,468 @@
+"""An in-memory :class:`TransferEngine` for deterministic tests on Trio's ``MockClock``.
+
+It enforces Mooncake's rules, including the RDMA one that the TCP engine cannot show (a
+transfer's source must lie inside a live local registration), and moves real bytes between
+real addresses. It behaves like a worker-thread call without using threads: a cancelled
+caller never starts a call, and a started call runs to completion (its virtual latency and any
+gate run shielded), exactly as ``trio.to_thread.run_sync(abandon_on_cancel=False)`` behaves.
+
+Tests steer it with scripted latencies, scripted failures and gates, and read back a history
+of every call and a list of *violations*: deregistrations of memory that an in-flight transfer
+was still reading from or writing into.
+
+Timing of effects (each the conservative choice): a registration counts only once
+``register`` has returned; a deregistration takes effect the moment ``deregister`` starts; a
+transfer checks its ranges when it starts, checks again that they are still registered right
+before it copies, and copies at its very end.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import trio
+
+from trio_encode.engine.base import (
+    ADDRESS_OVERLAPPED,
+    INVALID_ADDRESS,
+    TRANSFER_FAILED,
+    EngineError,
+)
+
+CallKind = Literal["register", "deregister", "transfer"]
+CALL_KINDS: tuple[CallKind, ...] = ("register", "deregister", "transfer")
+
+OK = 0
+
+
+@dataclass
+class CallRecord:
+    """One engine call as it happened: what was asked, when it ran, and what it returned.
+
+    ``code`` and ``end`` stay ``None`` while the call is in flight. For a transfer,
+    ``session_id`` is the peer written to; for the other calls it is this engine's own.
+    """
+
+    seq: int
+    kind: CallKind
+    session_id: str
+    address: int
+    length: int | None
+    remote_address: int | None
+    start: float
+    end: float | None = None
+    code: int | None = None
+
+    @property
+    def done(self) -> bool:
+        """Whether the call has returned."""
+        return self.code is not None
+
+    @property
+    def ok(self) -> bool:
+        """Whether the call has returned and succeeded."""
+        return self.code == OK
+
+
+@dataclass(eq=False)
+class Registration:
+    """A live registered range. Compared by identity, so a range deregistered and registered
+    again mid-transfer is not mistaken for the one the transfer started with."""
+
+    start: int
+    length: int
+
+    @property
+    def end(self) -> int:
+        """One past the last registered byte."""
+        return self.start + self.length
+
+    def covers(self, address: int, length: int) -> bool:
+        """Whether ``[address, address + length)`` lies inside this one registration."""
+        return self.start <= address and address + length <= self.end
+
+
+LatencyScript = Callable[[CallRecord], float]
+
+
+class Gate:
+    """Holds every call of one kind at its start, like a worker thread that is stuck, until
+    :meth:`open`. The waiting is shielded: cancelling a held call's caller does not free it."""
+
+    def __init__(self, kind: CallKind) -> None:
+        self.kind: CallKind = kind
+        self.entered = trio.Event()
+        """Set when the first call reaches the gate."""
+        self.arrivals: list[CallRecord] = []
+        self._opened = trio.Event()
+        self._arrival = trio.Event()
+
+    @property
+    def is_open(self) -> bool:
+        """Whether calls pass the gate."""
+        return self._opened.is_set()
+
+    @property
+    def waiting(self) -> int:
+        """How many calls are held at the gate now."""
+        return 0 if self.is_open else sum(1 for call in self.arrivals if not call.done)
+
+    def open(self) -> None:
+        """Let held and future calls through."""
+        self._opened.set()
+
+    async def wait_arrivals(self, count: int = 1) -> None:
+        """Wait until ``count`` calls in total have reached the gate."""
+        while len(self.arrivals) < count:
+            await self._arrival.wait()
+
+    async def _pass(self, call: CallRecord) -> None:
+        self.arrivals.append(call)
+        self.entered.set()
+        self._arrival.set()
+        self._arrival = trio.Event()
+        await self._opened.wait()
+
+
+@dataclass
+class _Script:
+    """The scripted behaviour for one call kind."""
+
+    default_latency: float
+    latencies: deque[float] = field(default_factory=deque)
+    latency_fn: LatencyScript | None = None
+    failures: deque[int] = field(default_factory=deque)
+    gate: Gate | None = None
+
+    def next_latency(self, call: CallRecord) -> float:
+        if self.latencies:
+            return self.latencies.popleft()
+        if self.latency_fn is not None:
+            return self.latency_fn(call)
+        return self.default_latency
+
+
+@dataclass
+class _InFlightTransfer:
+    """A transfer between its start and its end, and the registrations it holds."""
+
+    call: CallRecord
+    source: Registration
+    destination: Registration
+    receiver: InMemoryEngine
+
+
+class InMemoryFabric:
+    """The network the in-memory engines share: session ids to engines, and one list of the
+    violations any of them saw."""
+
+    def __init__(self) -> None:
+        self._engines: dict[str, InMemoryEngine] = {}
+        self._numbers = itertools.count()
+        self.violations: list[str] = []
+
+    def engine(
+        self,
+        name: str | None = None,
+        *,
+        register_latency: float = 0.0,
+        deregister_latency: float = 0.0,
+        transfer_latency: float = 0.0,
+    ) -> InMemoryEngine:
+        """Create an engine on this fabric, named ``NAME:PORT`` like a Mooncake session id."""
+        number = next(self._numbers)
+        session_id = f"{name if name is not None else f'mem-{number}'}:{number + 1}"
+        engine = InMemoryEngine(
+            self,
+            session_id,
+            register_latency=register_latency,
+            deregister_latency=deregister_latency,
+            transfer_latency=transfer_latency,
+        )
+        self._engines[session_id] = engine
+        return engine
+
+    def lookup(self, session_id: str) -> InMemoryEngine | None:
+        """The engine reachable as ``session_id``, if any."""
+        return self._engines.get(session_id)
+
+    @property
+    def engines(self) -> list[InMemoryEngine]:
+        """The engines reachable now."""
+        return list(self._engines.values())
+
+    def _disconnect(self, engine: InMemoryEngine) -> None:
+        if self._engines.get(engine.session_id) is engine:
+            del self._engines[engine.session_id]
+
+
+class InMemoryEngine:
+    """A :class:`TransferEngine` on an :class:`InMemoryFabric`; create it with
+    :meth:`InMemoryFabric.engine`."""
+
+    def __init__(
+        self,
+        fabric: InMemoryFabric,
+        session_id: str,
+        *,
+        register_latency: float = 0.0,
+        deregister_latency: float = 0.0,
+        transfer_latency: float = 0.0,
+    ) -> None:
+        self.fabric = fabric
+        self._session_id = session_id
+        self._registrations: dict[int, Registration] = {}
+        self._scripts: dict[CallKind, _Script] = {
+            "register": _Script(register_latency),
+            "deregister": _Script(deregister_latency),
+            "transfer": _Script(transfer_latency),
+        }
+        self._in_flight_transfers: list[_InFlightTransfer] = []
+        self._seq = itertools.count()
+        self.history: list[CallRecord] = []
+        """Every call that started, in start order."""
+        self.violations: list[str] = []
+        """Violations this engine saw (also appended to ``fabric.violations``)."""
+
+    # -- the TransferEngine interface -------------------------------------------------------
+
+    @property
+    def session_id(self) -> str:
+        """This engine's name on the fabric."""
+        return self._session_id
+
+    async def register(self, address: int, length: int) -> None:
+        """Register ``[address, address + length)`` once the call returns; -7 if it overlaps
+        a live registration, -1 for an empty range."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        call, scripted = self._begin("register", self.session_id, address, length, None)
+        await self._run_shielded(call)
+        code = scripted if scripted is not None else self._do_register(address, length)
+        self._finish(call, code)
+
+    async def deregister(self, address: int) -> None:
+        """Release the registration starting at ``address`` as soon as the call starts (the
+        worst case for a transfer still using it); -3 if none starts there."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        call, scripted = self._begin("deregister", self.session_id, address, None, None)
+        code = scripted if scripted is not None else self._do_deregister(address)
+        await self._run_shielded(call)
+        self._finish(call, code)
+
+    async def transfer(
+        self, session_id: str, local_address: int, remote_address: int, length: int
+    ) -> None:
+        """Copy ``length`` bytes from ``local_address`` into ``remote_address`` on engine
+        ``session_id`` at the end of the call, if both ranges are still registered then."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        call, scripted = self._begin("transfer", session_id, local_address, length, remote_address)
+        flight: _InFlightTransfer | None = None
+        code = scripted
+        if code is None:
+            code, flight = self._check_transfer(
+                call, session_id, local_address, remote_address, length
+            )
+        if flight is not None:
+            self._in_flight_transfers.append(flight)
+        try:
+            await self._run_shielded(call)
+        finally:
+            if flight is not None:
+                self._in_flight_transfers.remove(flight)
+        if flight is not None:
+            code = self._complete_transfer(flight, local_address, remote_address, length)
+        self._finish(call, code)
+
+    # -- scripting -----------------------------------------------------------------------------
+
+    def script_latency(
+        self, kind: CallKind, latencies: Iterable[float] | LatencyScript | None
+    ) -> None:
+        """Script the virtual latency of calls of ``kind``: a sequence is consumed one value
+        per call (then the default applies again); a callable is asked for every call until
+        replaced by ``None``."""
+        script = self._scripts[kind]
+        if latencies is None:
+            script.latencies.clear()
+            script.latency_fn = None
+        elif callable(latencies):
+            script.latency_fn = latencies
+        else:
+            script.latencies.extend(latencies)
+
+    def fail_next(self, kind: CallKind, code: int = TRANSFER_FAILED, *, times: int = 1) -> None:
+        """Make the next ``times`` calls of ``kind`` return ``code`` without effect, after
+        their usual latency."""
+        if code == OK:
+            raise ValueError("a scripted failure needs a non-zero code")
+        self._scripts[kind].failures.extend([code] * times)
+
+    def gate(self, kind: CallKind) -> Gate:
+        """Install a closed gate that holds every call of ``kind`` until it is opened."""
+        gate = Gate(kind)
+        self._scripts[kind].gate = gate
+        return gate
+
+    def close(self) -> None:
+        """Leave the fabric, as a peer that died: transfers to or from this engine fail -1,
+        also those already in flight when they reach their end."""
+        self.fabric._disconnect(self)
+
+    # -- inspection ----------------------------------------------------------------------------
+
+    @property
+    def live_registrations(self) -> dict[int, int]:
+        """Start address -> length of every live registration."""
+        return {start: reg.length for start, reg in sorted(self._registrations.items())}
+
+    @property
+    def in_flight(self) -> list[CallRecord]:
+        """The calls that have started and not yet returned."""
+        return [call for call in self.history if not call.done]
+
+    def calls(self, kind: CallKind, *, ok: bool | None = None) -> list[CallRecord]:
+        """The calls of ``kind`` so far; only the succeeded (``ok=True``) or failed ones
+        (``ok=False``) if asked."""
+        return [
+            call
+            for call in self.history
+            if call.kind == kind and (ok is None or (call.done and call.ok == ok))
+        ]
+
+    def count(self, kind: CallKind, *, ok: bool | None = None) -> int:
+        """How many calls of ``kind`` :meth:`calls` would list."""
+        return len(self.calls(kind, ok=ok))
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _begin(
+        self,
+        kind: CallKind,
+        session_id: str,
+        address: int,
+        length: int | None,
+        remote_address: int | None,
+    ) -> tuple[CallRecord, int | None]:
+        call = CallRecord(
+            seq=next(self._seq),
+            kind=kind,
+            session_id=session_id,
+            address=address,
+            length=length,
+            remote_address=remote_address,
+            start=trio.current_time(),
+        )
+        self.history.append(call)
+        failures = self._scripts[kind].failures
+        return call, (failures.popleft() if failures else None)
+
+    async def _run_shielded(self, call: CallRecord) -> None:
+        """The part of a call a thread would run: it cannot be cancelled once started."""
+        script = self._scripts[call.kind]
+        with trio.CancelScope(shield=True):
+            if script.gate is not None and not script.gate.is_open:
+                await script.gate._pass(call)
+            await trio.sleep(script.next_latency(call))
+
+    def _finish(self, call: CallRecord, code: int) -> None:
+        call.code = code
+        call.end = trio.current_time()
+        if code == OK:
+            return
+        if call.kind == "transfer":
+            raise EngineError(
+                "transfer",
+                code,
+                address=call.address,
+                remote_address=call.remote_address,
+                length=call.length,
+                session_id=call.session_id,
+                detail=f"from {self.session_id}",
+            )
+        raise EngineError(
+            call.kind, code, address=call.address, length=call.length, session_id=self.session_id
+        )
+
+    def _do_register(self, address: int, length: int) -> int:
+        if length <= 0:
+            return TRANSFER_FAILED  # Mooncake: "does not support zero length memory region"
+        new = Registration(address, length)
+        for reg in self._registrations.values():
+            if reg.start < new.end and new.start < reg.end:
+                return ADDRESS_OVERLAPPED
+        self._registrations[address] = new
+        return OK
+
+    def _do_deregister(self, address: int) -> int:
+        reg = self._registrations.pop(address, None)
+        if reg is None:
+            return INVALID_ADDRESS
+        self._note_violations(reg)
+        return OK
+
+    def _note_violations(self, reg: Registration) -> None:
+        """Record every in-flight transfer that still reads from or writes into ``reg``."""
+        for flight in self._in_flight_transfers:
+            if flight.source is reg:
+                self._violation(reg, flight, "reads from")
+        for engine in self.fabric.engines:
+            for flight in engine._in_flight_transfers:
+                if flight.destination is reg:
+                    self._violation(reg, flight, "writes into")
+
+    def _violation(self, reg: Registration, flight: _InFlightTransfer, verb: str) -> None:
+        call = flight.call
+        message = (
+            f"{self.session_id}: deregister({reg.start:#x}, length {reg.length}) while "
+            f"transfer #{call.seq} ({call.address:#x} -> {call.session_id} "
+            f"{call.remote_address or 0:#x}, {call.length} bytes) still {verb} it"
+        )
+        self.violations.append(message)
+        self.fabric.violations.append(message)
+
+    def _find(self, address: int, length: int) -> Registration | None:
+        for reg in self._registrations.values():
+            if reg.covers(address, length):
+                return reg
+        return None
+
+    def _check_transfer(
+        self,
+        call: CallRecord,
+        session_id: str,
+        local_address: int,
+        remote_address: int,
+        length: int,
+    ) -> tuple[int, _InFlightTransfer | None]:
+        """The checks at the start of a transfer; the code to return if they fail."""
+        receiver = self.fabric.lookup(session_id)
+        if receiver is None or self.fabric.lookup(self.session_id) is not self or length < 0:
+            return TRANSFER_FAILED, None
+        # The RDMA rule: the source must be registered (TCP Mooncake does not check it).
+        source = self._find(local_address, length)
+        destination = receiver._find(remote_address, length)
+        if source is None or destination is None:
+            return TRANSFER_FAILED, None
+        return OK, _InFlightTransfer(call, source, destination, receiver)
+
+    def _complete_transfer(
+        self, flight: _InFlightTransfer, local_address: int, remote_address: int, length: int
+    ) -> int:
+        """Re-check that both ranges are still registered, then copy; else touch nothing."""
+        receiver = flight.receiver
+        still_live = (
+            self._registrations.get(flight.source.start) is flight.source
+            and receiver._registrations.get(flight.destination.start) is flight.destination
+            and self.fabric.lookup(receiver.session_id) is receiver
+            and self.fabric.lookup(self.session_id) is self
+        )
+        if not still_live:
+            return TRANSFER_FAILED
+        if length:
+            ctypes.memmove(remote_address, local_address, length)
+        return OK

@@ -1,0 +1,147 @@
+"""Shared fixtures: real buffers, in-memory fabrics, and real Mooncake engines.
+
+Real Mooncake engines are created once per session (each owns sockets and threads, and the
+Python binding has no way to close one); every test that uses them must leave no registration
+behind, which :func:`engine_pair` guarantees for the registrations made through it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+
+import pytest
+import torch
+import trio
+
+from trio_encode.engine import TransferEngine
+from trio_encode.engine.memory import InMemoryFabric
+from trio_encode.engine.mooncake import MooncakeEngine, MooncakeSettings
+
+# A session id nobody listens on: port 1 on loopback is never a Mooncake engine.
+DEAD_MOONCAKE_SESSION = "127.0.0.1:1"
+DEAD_MEMORY_SESSION = "mem-dead:1"
+
+
+class BufferPool:
+    """Allocates real CPU memory (uint8 tensors) and keeps it alive until the test ends, so
+    no registered address can be freed under an engine."""
+
+    def __init__(self) -> None:
+        self._tensors: list[torch.Tensor] = []
+
+    def zeros(self, length: int) -> torch.Tensor:
+        """A zero-filled buffer of ``length`` bytes."""
+        tensor = torch.zeros(length, dtype=torch.uint8)
+        self._tensors.append(tensor)
+        return tensor
+
+    def pattern(self, length: int, seed: int = 1) -> torch.Tensor:
+        """A buffer whose bytes differ from their neighbours and from zero, so a misplaced or
+        partial copy shows."""
+        values = (torch.arange(length, dtype=torch.int64) * 7 + seed) % 251 + 1
+        tensor = values.to(torch.uint8)
+        self._tensors.append(tensor)
+        return tensor
+
+    def release(self) -> None:
+        self._tensors.clear()
+
+
+@pytest.fixture
+def buffers() -> Iterator[BufferPool]:
+    """Real memory for transfers, freed only after the test and its engine fixtures end."""
+    pool = BufferPool()
+    yield pool
+    pool.release()
+
+
+@pytest.fixture
+def fabric() -> InMemoryFabric:
+    """A fresh in-memory network for in-memory engines."""
+    return InMemoryFabric()
+
+
+@pytest.fixture(scope="session")
+def mooncake_engines() -> tuple[MooncakeEngine, MooncakeEngine]:
+    """Two real Mooncake engines over TCP on loopback (P2PHANDSHAKE, no metadata server).
+
+    Created with :meth:`MooncakeEngine.create` in a short ``trio.run`` of its own, since
+    pytest-trio fixtures cannot outlive one test. A missing Mooncake makes every test that
+    uses this fixture fail (error), never skip.
+    """
+    settings = MooncakeSettings()
+    return (
+        trio.run(MooncakeEngine.create, settings),
+        trio.run(MooncakeEngine.create, settings),
+    )
+
+
+class TrackingEngine:
+    """Forwards every call to an engine unchanged and remembers the registrations that are
+    still live, so a fixture can remove them after the test (shared engines stay clean)."""
+
+    def __init__(self, engine: TransferEngine) -> None:
+        self.engine = engine
+        self.live: set[int] = set()
+
+    @property
+    def session_id(self) -> str:
+        return self.engine.session_id
+
+    async def register(self, address: int, length: int) -> None:
+        await self.engine.register(address, length)
+        self.live.add(address)
+
+    async def deregister(self, address: int) -> None:
+        await self.engine.deregister(address)
+        self.live.discard(address)
+
+    async def transfer(
+        self, session_id: str, local_address: int, remote_address: int, length: int
+    ) -> None:
+        await self.engine.transfer(session_id, local_address, remote_address, length)
+
+    async def cleanup(self) -> None:
+        for address in sorted(self.live):
+            await self.engine.deregister(address)
+        self.live.clear()
+
+
+@dataclass(frozen=True)
+class EnginePair:
+    """A sender and a receiver that can reach each other, and a session id that is dead."""
+
+    kind: str
+    sender: TrackingEngine
+    receiver: TrackingEngine
+    dead_session_id: str
+
+
+@pytest.fixture(params=["mooncake", "memory"])
+def _engine_pair_engines(
+    request: pytest.FixtureRequest,
+) -> tuple[str, TransferEngine, TransferEngine, str]:
+    # Sync, so that creating the session's Mooncake engines (a trio.run of their own) happens
+    # before the test's own trio.run starts.
+    if request.param == "mooncake":
+        sender, receiver = request.getfixturevalue("mooncake_engines")
+        return "mooncake", sender, receiver, DEAD_MOONCAKE_SESSION
+    memory = InMemoryFabric()
+    return "memory", memory.engine("sender"), memory.engine("receiver"), DEAD_MEMORY_SESSION
+
+
+@pytest.fixture
+async def engine_pair(
+    _engine_pair_engines: tuple[str, TransferEngine, TransferEngine, str], buffers: BufferPool
+) -> AsyncIterator[EnginePair]:
+    """The same rule checks against the real Mooncake engine and the in-memory one.
+
+    Registrations the test leaves are removed afterwards; this depends on ``buffers`` so the
+    memory is freed only after that.
+    """
+    kind, sender, receiver, dead_session_id = _engine_pair_engines
+    pair = EnginePair(kind, TrackingEngine(sender), TrackingEngine(receiver), dead_session_id)
+    yield pair
+    await pair.sender.cleanup()
+    await pair.receiver.cleanup()
