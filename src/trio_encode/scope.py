@@ -155,7 +155,11 @@ class RequestScope:
     @property
     def accepting(self) -> bool:
         """Whether new sends may still join (false from the moment the scope starts ending)."""
-        return self._nursery is not None and self.end_reason is None
+        return (
+            self._nursery is not None
+            and self.end_reason is None
+            and not self._backstop.cancel_called
+        )
 
     def check_receive_count(self, receive_count: int | None) -> None:
         """Siblings must agree on how many receivers there are (409 otherwise)."""

@@ -1,0 +1,204 @@
+"""A test rig for request scopes on the in-memory engine and Trio's mock clock.
+
+It builds what the service builds (ledger, registry, service nursery) around an in-memory
+sender engine, plus receivers that own their own in-memory engine and registered landing
+buffer, and encoders whose latency and failures the test scripts. Embeddings are handed to the
+scope without the rig keeping a strong reference, so a test can watch (through a weakref) the
+moment the scope drops one.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import torch
+import trio
+import trio.testing
+
+from trio_encode.embedding import Embedding
+from trio_encode.engine.memory import InMemoryEngine, InMemoryFabric
+from trio_encode.errors import EncodeFailed
+from trio_encode.registrations import RegistrationLedger
+from trio_encode.scope import EmbeddingMemory, Receiver, ScopeRegistry
+
+
+class RecordingObserver:
+    """Records every lifecycle event as ``(name, args...)`` with the virtual time."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[float, str, tuple[object, ...]]] = []
+
+    def _add(self, name: str, *args: object) -> None:
+        self.events.append((trio.current_time(), name, args))
+
+    def names(self, name: str) -> list[tuple[object, ...]]:
+        return [args for _, event, args in self.events if event == name]
+
+    def scope_opened(self, req_id: str) -> None:
+        self._add("scope_opened", req_id)
+
+    def scope_closed(self, req_id: str, reason: str) -> None:
+        self._add("scope_closed", req_id, reason)
+
+    def registered(self, address: int, length: int) -> None:
+        self._add("registered", address, length)
+
+    def deregistered(self, address: int) -> None:
+        self._add("deregistered", address)
+
+    def transfer_finished(self, req_id: str, nbytes: int, seconds: float) -> None:
+        self._add("transfer_finished", req_id, nbytes, seconds)
+
+    def engine_error(self, call: str, code: int) -> None:
+        self._add("engine_error", call, code)
+
+    def backstop_expired(self, req_id: str) -> None:
+        self._add("backstop_expired", req_id)
+
+
+def make_embedding(seed: int, rows: int = 64, dim: int = 32) -> Embedding:
+    """A float32 embedding whose bytes depend on ``seed``."""
+    generator = torch.Generator().manual_seed(seed)
+    return Embedding(torch.randn(rows, dim, generator=generator))
+
+
+@dataclass
+class Landing:
+    """A receiver: its own engine and a registered, zero-filled landing buffer."""
+
+    engine: InMemoryEngine
+    buffer: torch.Tensor
+
+    @property
+    def receiver(self) -> Receiver:
+        return Receiver(self.engine.session_id, int(self.buffer.data_ptr()))
+
+    def landed(self, nbytes: int) -> bytes:
+        return bytes(self.buffer[:nbytes].numpy().tobytes())
+
+
+@dataclass
+class EncoderScript:
+    """An encode callable for one request and what happened to it."""
+
+    latency: float = 0.0
+    error: Exception | None = None
+    gate: trio.Event | None = None
+    started: int = 0
+    cancelled: bool = False
+    _box: list[EmbeddingMemory] = field(default_factory=list)
+
+    async def __call__(self) -> EmbeddingMemory:
+        self.started += 1
+        try:
+            if self.gate is not None:
+                await self.gate.wait()
+            await trio.sleep(self.latency)
+        except trio.Cancelled:
+            self.cancelled = True
+            raise
+        if self.error is not None:
+            raise self.error
+        # Hand over the only strong reference: the scope owns the embedding from here.
+        return self._box.pop()
+
+
+@dataclass
+class Rig:
+    fabric: InMemoryFabric
+    sender: InMemoryEngine
+    ledger: RegistrationLedger
+    registry: ScopeRegistry
+    observer: RecordingObserver
+    nursery: trio.Nursery
+    expected: dict[str, bytes] = field(default_factory=dict)
+
+    async def landing(self, nbytes: int = 64 * 32 * 4, name: str | None = None) -> Landing:
+        engine = self.fabric.engine(name)
+        buffer = torch.zeros(nbytes, dtype=torch.uint8)
+        await engine.register(int(buffer.data_ptr()), nbytes)
+        return Landing(engine, buffer)
+
+    async def landings(self, count: int, nbytes: int = 64 * 32 * 4) -> list[Landing]:
+        return [await self.landing(nbytes, name=f"rank{i}") for i in range(count)]
+
+    def encoder(
+        self,
+        req_id: str,
+        embedding: Embedding | None = None,
+        *,
+        seed: int = 0,
+        latency: float = 0.0,
+        error: Exception | None = None,
+    ) -> tuple[EncoderScript, weakref.ref[Embedding]]:
+        """An encode callable handing over ``embedding`` (or a fresh one from ``seed``); the
+        bytes every receiver should end up with are kept in :attr:`expected`."""
+        if embedding is None:
+            embedding = make_embedding(seed)
+        self.expected[req_id] = bytes(embedding.tensor.numpy().tobytes())
+        script = EncoderScript(latency=latency, error=error)
+        script._box.append(embedding)
+        return script, weakref.ref(embedding)
+
+    async def open(
+        self,
+        req_id: str,
+        encode: Callable[[], Awaitable[EmbeddingMemory]],
+        receive_count: int = 1,
+    ) -> None:
+        await self.registry.open(req_id, receive_count=receive_count, encode=encode)
+
+    def failing_encoder(self, message: str = "CUDA out of memory") -> EncoderScript:
+        return EncoderScript(error=EncodeFailed(message))
+
+    async def assert_nothing_held(self) -> None:
+        """Invariant 8: once every task has settled, no scope, registration or violation is
+        left."""
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(self.registry) == 0
+        assert self.ledger.live_registrations == 0
+        assert self.sender.live_registrations == {}
+        assert self.fabric.violations == []
+        assert self.sender.count("register") == self.sender.count("deregister", ok=True) + (
+            self.sender.count("register", ok=False)
+        )
+
+
+@asynccontextmanager
+async def lifecycle_rig(
+    send_timeout: float = 180.0, *, register_latency: float = 0.0, transfer_latency: float = 0.0
+) -> AsyncIterator[Rig]:
+    """A registry with its service nursery, over an in-memory sender engine."""
+    fabric = InMemoryFabric()
+    sender = fabric.engine(
+        "encoder", register_latency=register_latency, transfer_latency=transfer_latency
+    )
+    observer = RecordingObserver()
+    ledger = RegistrationLedger(sender, observer)
+    async with trio.open_nursery() as nursery:
+        registry = ScopeRegistry(
+            nursery, engine=sender, ledger=ledger, send_timeout=send_timeout, observer=observer
+        )
+        yield Rig(fabric, sender, ledger, registry, observer, nursery)
+        nursery.cancel_scope.cancel()
+
+
+async def gather_sends(
+    rig: Rig, req_id: str, receivers: list[Receiver]
+) -> list[object]:
+    """Send to every receiver concurrently, as TP siblings do; each result or error."""
+    results: list[object] = [None] * len(receivers)
+
+    async def one(i: int, receiver: Receiver) -> None:
+        try:
+            results[i] = await rig.registry.lookup(req_id).send(receiver)
+        except Exception as exc:
+            results[i] = exc
+
+    async with trio.open_nursery() as nursery:
+        for i, receiver in enumerate(receivers):
+            nursery.start_soon(one, i, receiver)
+    return results
