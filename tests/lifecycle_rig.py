@@ -99,6 +99,7 @@ class EncoderScript:
             await trio.sleep(self.latency)
         except trio.Cancelled:
             self.cancelled = True
+            self._box.clear()  # a cancelled encoder run produces nothing
             raise
         if self.error is not None:
             raise self.error
@@ -186,9 +187,7 @@ async def lifecycle_rig(
         nursery.cancel_scope.cancel()
 
 
-async def gather_sends(
-    rig: Rig, req_id: str, receivers: list[Receiver]
-) -> list[object]:
+async def gather_sends(rig: Rig, req_id: str, receivers: list[Receiver]) -> list[object]:
     """Send to every receiver concurrently, as TP siblings do; each result or error."""
     results: list[object] = [None] * len(receivers)
 

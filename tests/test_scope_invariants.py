@@ -444,7 +444,9 @@ async def test_deregistration_failure_is_logged_and_counted(
             await trio.testing.wait_all_tasks_blocked()
         assert ("deregister", -3) in rig.observer.names("engine_error")
         errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
-        assert any("code -3" in r.getMessage() and getattr(r, "req_id", None) == "r1" for r in errors)
+        assert any(
+            "code -3" in r.getMessage() and getattr(r, "req_id", None) == "r1" for r in errors
+        )
         assert rig.ledger.live_registrations == 0
         assert len(rig.registry) == 0
 
@@ -472,3 +474,40 @@ async def test_registry_rules(autojump_clock: trio.testing.MockClock) -> None:
         await trio.testing.wait_all_tasks_blocked()
         with pytest.raises(UnknownRequest):
             rig.registry.lookup("bad")
+
+
+async def test_after_every_scope_ends_nothing_is_held(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Invariant 8: many requests ending every way there is (completed, encode failed,
+    expired with a receiver missing, transfer failed, cut short by shutdown) leave no scope,
+    registration or embedding behind."""
+    async with lifecycle_rig(send_timeout=30, transfer_latency=0.25) as rig:
+        ranks = await rig.landings(2)
+        alive: list[weakref.ref[Embedding]] = []
+        outcomes: list[object] = []
+        for i in range(40):
+            kind = ("complete", "encode_fails", "one_missing", "transfer_fails", "shutdown")[i % 5]
+            req_id = f"r{i}"
+            if kind == "encode_fails":
+                await rig.open(req_id, rig.failing_encoder(), receive_count=2)
+            else:
+                encode, ref = rig.encoder(req_id, seed=100 + i, latency=0.1 * (i % 3))
+                alive.append(ref)
+                await rig.open(req_id, encode, receive_count=2)
+            receivers = [r.receiver for r in (ranks if kind != "one_missing" else ranks[:1])]
+            if kind == "transfer_fails":
+                rig.sender.fail_next("transfer", TRANSFER_FAILED)
+            if kind == "shutdown":
+                rig.registry.lookup(req_id).cancel()
+            outcomes += await gather_sends(rig, req_id, receivers)
+
+        for scope in rig.registry.scopes():
+            await scope.wait_ended()
+        assert trio.current_time() <= 30 + 40 * 1.0
+        assert all(ref() is None for ref in alive)
+        assert any(isinstance(o, SendReport) for o in outcomes)
+        assert any(isinstance(o, EngineError) for o in outcomes)
+        assert any(isinstance(o, EncodeFailed) for o in outcomes)
+        assert any(isinstance(o, ShuttingDown) for o in outcomes)
+        await rig.assert_nothing_held()

@@ -399,9 +399,7 @@ class ScopeRegistry:
     def scopes(self) -> list[RequestScope]:
         return list(self._scopes.values())
 
-    async def open(
-        self, req_id: str, *, receive_count: int | None, encode: Encode
-    ) -> RequestScope:
+    async def open(self, req_id: str, *, receive_count: int | None, encode: Encode) -> RequestScope:
         """The scope for ``req_id``, started on first use; siblings get the same scope."""
         scope = self.get(req_id)
         if scope is not None:

@@ -17,7 +17,7 @@ from typing import Protocol
 import trio
 
 from trio_encode.engine import TransferEngine
-from trio_encode.errors import InvalidInput, ShuttingDown
+from trio_encode.errors import InvalidInput
 from trio_encode.observer import LifecycleObserver, NullObserver
 from trio_encode.registrations import RegistrationLedger
 from trio_encode.scope import (
@@ -183,9 +183,6 @@ class EncodeService:
         for scope in remaining:
             await scope.wait_ended()
         report = ShutdownReport(finished=len(live) - len(remaining), cut_short=len(remaining))
-        log.info(
-            "shutdown: %d scopes finished, %d cut short", report.finished, report.cut_short
-        )
+        log.info("shutdown: %d scopes finished, %d cut short", report.finished, report.cut_short)
         self.shutdown_report = report
         return report
-

@@ -1,0 +1,88 @@
+"""Service-level lifecycle on the mock clock: shutdown lets scopes finish, then cuts them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import trio
+import trio.testing
+
+from lifecycle_rig import make_embedding
+from trio_encode.embedding import Embedding
+from trio_encode.engine.memory import InMemoryFabric
+from trio_encode.errors import InvalidInput, ShuttingDown
+from trio_encode.scope import Receiver
+from trio_encode.service import EncodeService, ServiceSettings
+
+
+class SeededEncoder:
+    """An encoder stand-in for mock-clock tests: no threads, 1 s of virtual forward time."""
+
+    ready = True
+
+    def load_items(self, items: Sequence[str]) -> list[bytes]:
+        if any(not item.startswith("img:") for item in items):
+            raise InvalidInput("not an image")
+        return [item.encode() for item in items]
+
+    async def encode(self, images: Sequence[bytes]) -> Embedding:
+        await trio.sleep(1.0)
+        return make_embedding(len(b"".join(images)))
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        await trio.sleep_forever()
+
+
+async def test_shutdown_finishes_what_it_can_and_cuts_the_rest(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    fabric = InMemoryFabric()
+    sender = fabric.engine("encoder", transfer_latency=4.0)
+    rank = fabric.engine("rank0")
+    landing = bytearray(64 * 32 * 4 * 2)
+    import ctypes
+
+    buffer = (ctypes.c_char * len(landing)).from_buffer(landing)
+    address = ctypes.addressof(buffer)
+    await rank.register(address, len(landing))
+    receiver = Receiver(rank.session_id, address)
+    settings = ServiceSettings(send_timeout=180, shutdown_grace=10)
+    answers: dict[str, object] = {}
+
+    async def send(req_id: str, service: EncodeService) -> None:
+        try:
+            answers[req_id] = await service.send(req_id, receiver)
+        except Exception as exc:
+            answers[req_id] = exc
+
+    async with trio.open_nursery() as outer:
+        async with EncodeService.running(
+            engine=sender, encoder=SeededEncoder(), settings=settings
+        ) as service:
+            # "finishing": its one receiver is mid-transfer when shutdown starts.
+            await service.encode("finishing", ["img:a"], receive_count=1)
+            # "waiting": one of two receivers sent; the other never will.
+            await service.encode("waiting", ["img:b"], receive_count=2)
+            outer.start_soon(send, "finishing", service)
+            await trio.testing.wait_all_tasks_blocked()
+            assert len(sender.in_flight) == 1
+            report_task_started = trio.current_time()
+            report = await service.shutdown()
+            # New requests are refused while shutting down.
+            try:
+                await service.encode("late", ["img:c"], receive_count=1)
+            except ShuttingDown:
+                refused = True
+            else:
+                refused = False
+
+        assert refused
+        assert (report.finished, report.cut_short) == (1, 1)
+        assert trio.current_time() - report_task_started == 10  # the grace, then the cut
+        assert not isinstance(answers["finishing"], Exception)
+        assert service.ledger.live_registrations == 0
+        assert sender.live_registrations == {}
+        assert len(service.registry) == 0
+        assert fabric.violations == []
+    del buffer
