@@ -20,7 +20,7 @@ class SeededEncoder:
 
     ready = True
 
-    def load_items(self, items: Sequence[str]) -> list[bytes]:
+    async def load_items(self, items: Sequence[str]) -> list[bytes]:
         if any(not item.startswith("img:") for item in items):
             raise InvalidInput("not an image")
         return [item.encode() for item in items]

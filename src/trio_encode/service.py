@@ -37,8 +37,8 @@ class Encoder(Protocol):
     @property
     def ready(self) -> bool: ...
 
-    def load_items(self, items: Sequence[str]) -> list[bytes]:
-        """Check and load ``mm_items`` (cheap: no decoding of pixels); raise InvalidInput."""
+    async def load_items(self, items: Sequence[str]) -> list[bytes]:
+        """Check and load ``mm_items`` without decoding pixels; raise InvalidInput."""
         ...
 
     async def encode(self, images: Sequence[bytes]) -> EmbeddingMemory: ...
@@ -138,7 +138,7 @@ class EncodeService:
         scope = self.registry.get(req_id)
         if scope is None:
             # Check the input before a scope exists: bad input must leave nothing behind.
-            images = await trio.to_thread.run_sync(self.encoder.load_items, list(mm_items))
+            images = await self.encoder.load_items(mm_items)
             if not images:
                 raise InvalidInput("mm_items must name at least one image", req_id=req_id)
 
