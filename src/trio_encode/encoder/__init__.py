@@ -1,0 +1,29 @@
+"""The vision encoder: image loading, the models, the embedding cache and the batcher.
+
+The service uses :class:`ImageEncoder`; everything else is exposed for tests, benchmarks and
+tools that save or load weights.
+"""
+
+from trio_encode.encoder.backend import VisionBackend, load_backend
+from trio_encode.encoder.batcher import EncoderInfo, ImageEncoder, ThreadRunner
+from trio_encode.encoder.cache import CacheKey, EmbeddingCache, content_key
+from trio_encode.encoder.images import Preprocess, decode_image, load_item
+from trio_encode.encoder.observer import EncoderObserver, NullEncoderObserver
+from trio_encode.encoder.settings import EncoderSettings
+
+__all__ = [
+    "CacheKey",
+    "EmbeddingCache",
+    "EncoderInfo",
+    "EncoderObserver",
+    "EncoderSettings",
+    "ImageEncoder",
+    "NullEncoderObserver",
+    "Preprocess",
+    "ThreadRunner",
+    "VisionBackend",
+    "content_key",
+    "decode_image",
+    "load_backend",
+    "load_item",
+]

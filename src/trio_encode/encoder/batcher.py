@@ -1,0 +1,369 @@
+"""Cross-request batching: many ``encode()`` callers, one forward pass per batch.
+
+Callers queue their images; the long-lived :meth:`ImageEncoder.run` task takes up to
+``max_batch_size`` of them (waiting at most ``max_batch_wait`` for the oldest one's batch to
+fill), runs the model in a worker thread and hands each request its rows. The thread is never
+abandoned: a cancelled caller waits for it, so no tensor is freed while the model writes it.
+
+A caller cancelled while its images are still queued takes them out of the queue (they are
+never encoded); one cancelled while its batch runs simply does not receive the result.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Protocol, TypeVar
+
+import torch
+import trio
+
+from trio_encode.embedding import Embedding
+from trio_encode.encoder.backend import VisionBackend, load_backend
+from trio_encode.encoder.cache import CacheKey, EmbeddingCache, content_key
+from trio_encode.encoder.images import decode_image, load_item
+from trio_encode.encoder.observer import EncoderObserver, NullEncoderObserver
+from trio_encode.encoder.settings import EncoderSettings
+from trio_encode.errors import EncodeFailed, InvalidInput, Overloaded, RequestError, ShuttingDown
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+class ThreadRunner(Protocol):
+    """Runs a blocking function off the event loop (``trio.to_thread.run_sync`` by default;
+    tests inject one that runs inline, to keep real threads off the mock clock)."""
+
+    def __call__(self, fn: Callable[[], T], /) -> Awaitable[T]: ...
+
+
+@dataclass(frozen=True)
+class EncoderInfo:
+    """What the service reports about the encoder (and /health shows)."""
+
+    model_id: str
+    tokens_per_image: int
+    hidden_size: int
+    dtype: str
+    image_size: int
+    max_batch_size: int
+
+    @property
+    def bytes_per_image(self) -> int:
+        itemsize = 2 if self.dtype in ("bfloat16", "float16") else 4
+        return self.tokens_per_image * self.hidden_size * itemsize
+
+
+@dataclass(eq=False)
+class _Request:
+    """One encode() call's images that missed the cache, and where their rows go."""
+
+    results: list[torch.Tensor | None]
+    remaining: int
+    done: trio.Event = field(default_factory=trio.Event)
+    error: RequestError | None = None
+
+    def fail(self, error: RequestError) -> None:
+        if not self.done.is_set():
+            self.error = error
+            self.done.set()
+
+
+@dataclass(eq=False)
+class _Job:
+    """One image waiting for (or in) a forward pass."""
+
+    request: _Request
+    index: int
+    key: CacheKey
+    pixels: torch.Tensor
+    enqueued_at: float
+    queued: bool = True
+
+
+class ImageEncoder:
+    """The encoder the service uses: ``encode()`` per request, ``run()`` in its nursery."""
+
+    def __init__(
+        self,
+        backend: VisionBackend,
+        settings: EncoderSettings | None = None,
+        *,
+        observer: EncoderObserver | None = None,
+        run_decode: ThreadRunner | None = None,
+        run_forward: ThreadRunner | None = None,
+    ) -> None:
+        self.backend = backend
+        self.settings = settings if settings is not None else EncoderSettings()
+        self.observer: EncoderObserver = observer or NullEncoderObserver()
+        self._cache = (
+            EmbeddingCache(self.settings.cache_bytes) if self.settings.cache_bytes > 0 else None
+        )
+        # Decoding gets its own small thread pool so a burst of big images cannot take every
+        # core from the forward pass.
+        self._decode_limiter = trio.CapacityLimiter(2)
+        self._run_decode: ThreadRunner = run_decode or self._decode_in_thread
+        self._run_forward: ThreadRunner = run_forward or self._forward_in_thread
+        self._queue: deque[_Job] = deque()
+        self._reserved = 0  # images admitted and still being decoded
+        self._changed = trio.Event()
+        self._running = False
+        self._stopped = False
+        self.info = EncoderInfo(
+            model_id=backend.model_id,
+            tokens_per_image=backend.tokens_per_image,
+            hidden_size=backend.hidden_size,
+            dtype=_DTYPE_NAMES[backend.dtype],
+            image_size=backend.preprocess.image_size,
+            max_batch_size=self.settings.max_batch_size,
+        )
+
+    @classmethod
+    def from_settings(
+        cls, settings: EncoderSettings, *, observer: EncoderObserver | None = None
+    ) -> ImageEncoder:
+        """Load the model the settings name. Blocking: call before serving or in a thread."""
+        return cls(load_backend(settings), settings, observer=observer)
+
+    @property
+    def ready(self) -> bool:
+        """True while :meth:`run` is serving batches (after its warm-up forward)."""
+        return self._running
+
+    @property
+    def cache(self) -> EmbeddingCache | None:
+        return self._cache
+
+    @property
+    def queued_images(self) -> int:
+        """Images waiting for a forward pass, including those still being decoded."""
+        return len(self._queue) + self._reserved
+
+    # -- per request -------------------------------------------------------------------------
+
+    def load_items(self, items: Sequence[str]) -> list[bytes]:
+        """The encoded bytes of each ``mm_items`` entry (no pixel decoding; blocking for file
+        paths, so call it in a thread). Raises :class:`InvalidInput` naming the entry."""
+        loaded = []
+        for index, item in enumerate(items):
+            try:
+                loaded.append(
+                    load_item(
+                        item,
+                        max_bytes=self.settings.max_image_bytes,
+                        media_dir=self.settings.media_dir,
+                    )
+                )
+            except InvalidInput as exc:
+                raise InvalidInput(f"mm_items[{index}]: {exc.message}") from None
+        return loaded
+
+    async def encode(self, items: Sequence[bytes]) -> Embedding:
+        """The embedding of a request's images: ``(images * tokens, hidden)`` rows in order.
+
+        Raises :class:`InvalidInput` (an image cannot be decoded), :class:`Overloaded` (the
+        queue is full, or the encoder is not running), :class:`EncodeFailed` (the model raised)
+        or :class:`ShuttingDown` (the encoder stopped while the request waited).
+        """
+        if not self._running:
+            raise self._not_running()
+        if not items:
+            raise InvalidInput("mm_items is empty: send at least one image")
+        if len(items) > self.settings.queue_size:
+            raise InvalidInput(
+                f"{len(items)} images in one request; this server accepts at most "
+                f"{self.settings.queue_size}"
+            )
+        model_id = self.backend.model_id
+        keys = await self._run_decode(lambda: [content_key(model_id, data) for data in items])
+        results: list[torch.Tensor | None] = [None] * len(items)
+        if self._cache is not None:
+            results = [self._cache.get(key) for key in keys]
+            misses = sum(result is None for result in results)
+            self.observer.cache_looked_up(len(items) - misses, misses)
+        missing = [i for i, result in enumerate(results) if result is None]
+        if missing:
+            await self._encode_missing(items, keys, results, missing)
+        rows = [result for result in results if result is not None]
+        if len(rows) == 1:
+            return Embedding(rows[0])
+        return Embedding(await self._run_decode(partial(_concatenate, rows)))
+
+    async def _encode_missing(
+        self,
+        items: Sequence[bytes],
+        keys: list[CacheKey],
+        results: list[torch.Tensor | None],
+        missing: list[int],
+    ) -> None:
+        count = len(missing)
+        if self.queued_images + count > self.settings.queue_size:
+            self.observer.rejected(count)
+            raise Overloaded(
+                f"the encoder queue is full ({self.queued_images} of "
+                f"{self.settings.queue_size} images waiting); retry later"
+            )
+        self._reserved += count
+        try:
+            pixels = await self._run_decode(partial(self._decode, items, missing))
+        finally:
+            self._reserved -= count
+        if not self._running:
+            raise self._not_running()
+        request = _Request(results, remaining=count)
+        now = trio.current_time()
+        jobs = [
+            _Job(request, index, keys[index], tensor, now)
+            for index, tensor in zip(missing, pixels, strict=True)
+        ]
+        self._queue.extend(jobs)
+        self._changed.set()
+        try:
+            await request.done.wait()
+        finally:
+            # Cancelled while queued: leave nothing behind, and never encode for nobody.
+            for job in jobs:
+                if job.queued:
+                    self._queue.remove(job)
+                    job.queued = False
+        if request.error is not None:
+            raise request.error
+
+    def _decode(self, items: Sequence[bytes], indices: list[int]) -> list[torch.Tensor]:
+        pixels = []
+        for index in indices:
+            try:
+                pixels.append(
+                    decode_image(
+                        items[index],
+                        self.backend.preprocess,
+                        max_pixels=self.settings.max_image_pixels,
+                    )
+                )
+            except InvalidInput as exc:
+                raise InvalidInput(f"mm_items[{index}]: {exc.message}") from None
+        return pixels
+
+    def _not_running(self) -> RequestError:
+        if self._stopped:
+            return ShuttingDown("the encoder has stopped")
+        return Overloaded("the encoder is not ready yet")
+
+    # -- the batching task -------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve batches until cancelled. Reports started (and ``ready``) after a warm-up
+        forward pass; on exit, every request still waiting gets :class:`ShuttingDown`."""
+        if self._running:
+            raise RuntimeError("ImageEncoder.run is already running")
+        if self.settings.warmup:
+            side = self.info.image_size
+            blank = [torch.zeros(3, side, side)]
+            await self._run_forward(partial(self._forward, blank))
+        self._stopped = False
+        self._running = True
+        task_status.started()
+        try:
+            while True:
+                batch = await self._next_batch()
+                await self._process(batch)
+        finally:
+            self._running = False
+            self._stopped = True
+            while self._queue:
+                job = self._queue.popleft()
+                job.queued = False
+                job.request.fail(ShuttingDown("the encoder stopped before this request ran"))
+
+    async def _next_batch(self) -> list[_Job]:
+        limit = self.settings.max_batch_size
+        while True:
+            while not self._queue:
+                await self._wait_for_change()
+            # The oldest image's wait bounds the batch window, so images that queued while
+            # the previous batch ran do not wait again.
+            deadline = self._queue[0].enqueued_at + self.settings.max_batch_wait
+            while self._queue and len(self._queue) < limit and trio.current_time() < deadline:
+                with trio.move_on_at(deadline):
+                    await self._wait_for_change()
+            if not self._queue:
+                continue  # every queued caller was cancelled during the window
+            now = trio.current_time()
+            batch = [self._queue.popleft() for _ in range(min(limit, len(self._queue)))]
+            for job in batch:
+                job.queued = False
+                self.observer.queue_waited(now - job.enqueued_at)
+            return batch
+
+    async def _wait_for_change(self) -> None:
+        self._changed = trio.Event()
+        await self._changed.wait()
+
+    async def _process(self, batch: list[_Job]) -> None:
+        pixels = [job.pixels for job in batch]
+        try:
+            rows, seconds = await self._run_forward(partial(self._forward, pixels))
+        except Exception as exc:
+            self.observer.batch_finished(len(batch), 0.0, ok=False)
+            log.exception("vision encoder failed on a batch of %d images", len(batch))
+            for job in batch:
+                job.request.fail(
+                    EncodeFailed(
+                        f"the vision encoder failed on a batch of {len(batch)} images: "
+                        f"{type(exc).__name__}: {exc}"
+                    )
+                )
+            return
+        except BaseException:
+            for job in batch:
+                job.request.fail(ShuttingDown("the encoder stopped while this request ran"))
+            raise
+        self.observer.batch_finished(len(batch), seconds, ok=True)
+        for job, row in zip(batch, rows, strict=True):
+            if self._cache is not None:
+                self._cache.put(job.key, row)
+            request = job.request
+            if request.done.is_set():
+                continue
+            request.results[job.index] = row
+            request.remaining -= 1
+            if request.remaining == 0:
+                request.done.set()
+        if self._cache is not None:
+            self.observer.cache_size(self._cache.nbytes, len(self._cache))
+
+    def _forward(self, pixels: list[torch.Tensor]) -> tuple[list[torch.Tensor], float]:
+        """In the worker thread: one forward pass, split into one tensor per image."""
+        start = time.perf_counter()
+        backend = self.backend
+        with torch.inference_mode():
+            out = backend.forward(torch.stack(pixels))
+            expected = (len(pixels), backend.tokens_per_image, backend.hidden_size)
+            if tuple(out.shape) != expected or out.dtype != backend.dtype:
+                raise RuntimeError(
+                    f"the model returned {tuple(out.shape)} {out.dtype}, "
+                    f"expected {expected} {backend.dtype}"
+                )
+            out = out.contiguous()
+            # With a cache each image gets its own memory, so the cache's byte bound is exact
+            # and evicting an entry frees it; without one, rows are views into the batch.
+            rows = [row.clone() for row in out] if self._cache is not None else list(out)
+        return rows, time.perf_counter() - start
+
+    async def _decode_in_thread(self, fn: Callable[[], T]) -> T:
+        return await trio.to_thread.run_sync(fn, limiter=self._decode_limiter)
+
+    async def _forward_in_thread(self, fn: Callable[[], T]) -> T:
+        return await trio.to_thread.run_sync(fn)
+
+
+def _concatenate(rows: list[torch.Tensor]) -> torch.Tensor:
+    with torch.inference_mode():
+        return torch.cat(rows, dim=0)

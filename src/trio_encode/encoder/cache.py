@@ -1,0 +1,95 @@
+"""Embeddings of images already seen, keyed by content, bounded in bytes, evicted LRU.
+
+A hit returns the very tensor that was stored, not a copy: two requests for one image then
+share memory, which the request lifecycle must handle (register once per address range).
+Stored tensors may be views into one batched output; the cache counts the memory it actually
+keeps alive (each underlying storage once), so its bound is honest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class CacheKey:
+    model_id: str
+    sha256: str
+
+
+def content_key(model_id: str, data: bytes) -> CacheKey:
+    """The key of an image: its model, and the sha256 of its encoded bytes."""
+    return CacheKey(model_id, hashlib.sha256(data).hexdigest())
+
+
+class EmbeddingCache:
+    """LRU map from :class:`CacheKey` to a per-image ``(tokens, hidden)`` tensor.
+
+    Not thread-safe: use it from the event loop only.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[CacheKey, torch.Tensor] = OrderedDict()
+        # storage address -> [bytes of the storage, entries that keep it alive]
+        self._storages: dict[int, list[int]] = {}
+        self._bytes = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of memory the cache keeps alive."""
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: CacheKey) -> bool:
+        return key in self._entries
+
+    def get(self, key: CacheKey) -> torch.Tensor | None:
+        tensor = self._entries.get(key)
+        if tensor is not None:
+            self._entries.move_to_end(key)
+        return tensor
+
+    def put(self, key: CacheKey, tensor: torch.Tensor) -> None:
+        """Keep ``tensor`` (an existing entry for ``key`` wins), then evict least recently
+        used entries until the bound holds. A tensor bigger than the bound is not kept."""
+        if key in self._entries:
+            self._entries.move_to_end(key)
+            return
+        storage = tensor.untyped_storage()
+        if storage.nbytes() > self.max_bytes:
+            return
+        self._entries[key] = tensor
+        self._retain(storage.data_ptr(), storage.nbytes())
+        while self._bytes > self.max_bytes:
+            self._evict_oldest()
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._storages.clear()
+        self._bytes = 0
+
+    def _retain(self, address: int, nbytes: int) -> None:
+        held = self._storages.get(address)
+        if held is None:
+            self._storages[address] = [nbytes, 1]
+            self._bytes += nbytes
+        else:
+            held[1] += 1
+
+    def _evict_oldest(self) -> None:
+        _, tensor = self._entries.popitem(last=False)
+        address = tensor.untyped_storage().data_ptr()
+        held = self._storages[address]
+        held[1] -= 1
+        if held[1] == 0:
+            del self._storages[address]
+            self._bytes -= held[0]

@@ -1,0 +1,156 @@
+"""From an ``mm_items`` string to image bytes, and from bytes to normalised pixels.
+
+Everything a client sends is untrusted: sizes are checked before any buffer is decoded, only
+PNG and JPEG decoders are ever run, and every failure becomes an :class:`InvalidInput` whose
+message says what to change.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image, UnidentifiedImageError
+
+from trio_encode.errors import InvalidInput
+
+# The media types a data URI may carry, and the Pillow decoders each one allows.
+_DATA_URI_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/jpg": "JPEG"}
+_FILE_SUFFIXES = {".png", ".jpg", ".jpeg"}
+_FORMATS = ("PNG", "JPEG")
+
+
+@dataclass(frozen=True)
+class Preprocess:
+    """How a model wants its pixels: square side, per-channel mean and std, and whether to
+    resize the short side and centre-crop (CLIP) or resize straight to a square."""
+
+    image_size: int
+    mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    center_crop: bool = False
+
+
+def load_item(item: str, *, max_bytes: int, media_dir: Path | None = None) -> bytes:
+    """The encoded bytes of one ``mm_items`` entry: a PNG/JPEG data URI, or a file path that
+    lies inside ``media_dir`` (paths are refused when no ``media_dir`` is configured)."""
+    if item.startswith("data:"):
+        return _from_data_uri(item, max_bytes)
+    if media_dir is None:
+        raise InvalidInput(
+            "mm_items entries must be data:image/png;base64,... or data:image/jpeg;base64,... "
+            "URIs (this server has no media directory, so file paths are not accepted)"
+        )
+    return _from_media_dir(item, media_dir, max_bytes)
+
+
+def _from_data_uri(item: str, max_bytes: int) -> bytes:
+    header, comma, payload = item.partition(",")
+    if not comma:
+        raise InvalidInput("malformed data URI: no ',' between the header and the data")
+    media_type, _, encoding = header.removeprefix("data:").partition(";")
+    media_type = media_type.strip().lower()
+    if media_type not in _DATA_URI_TYPES:
+        raise InvalidInput(
+            f"unsupported image type {media_type or '(none)'!r}: send image/png or image/jpeg"
+        )
+    if encoding.strip().lower() != "base64":
+        raise InvalidInput("image data URIs must be base64-encoded (data:image/png;base64,...)")
+    # Refuse before decoding: base64 grows data by 4/3, so this bounds the decoded size.
+    if len(payload) // 4 * 3 > max_bytes + 3:
+        raise InvalidInput(_too_big(len(payload) // 4 * 3, max_bytes))
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise InvalidInput(f"the image data is not valid base64: {exc}") from None
+    if len(data) > max_bytes:
+        raise InvalidInput(_too_big(len(data), max_bytes))
+    if not data:
+        raise InvalidInput("the image data URI is empty")
+    return data
+
+
+def _from_media_dir(item: str, media_dir: Path, max_bytes: int) -> bytes:
+    root = media_dir.resolve()
+    try:
+        path = (root / item.removeprefix("file://")).resolve(strict=True)
+    except (OSError, RuntimeError, ValueError):
+        raise InvalidInput(f"no such image file in the media directory: {item!r}") from None
+    if not path.is_relative_to(root):
+        raise InvalidInput(f"image path {item!r} lies outside the media directory")
+    if path.suffix.lower() not in _FILE_SUFFIXES:
+        raise InvalidInput(f"image file {item!r} must be .png, .jpg or .jpeg")
+    try:
+        with path.open("rb") as file:
+            data = file.read(max_bytes + 1)
+    except OSError as exc:
+        raise InvalidInput(f"cannot read image file {item!r}: {exc.strerror}") from None
+    if len(data) > max_bytes:
+        raise InvalidInput(_too_big(len(data), max_bytes, at_least=True))
+    return data
+
+
+def _too_big(size: int, max_bytes: int, *, at_least: bool = False) -> str:
+    more = "more than " if at_least else ""
+    return f"image is {more}{size} bytes; the limit is {max_bytes} bytes per image"
+
+
+def decode_image(data: bytes, preprocess: Preprocess, *, max_pixels: int) -> torch.Tensor:
+    """Decode PNG/JPEG bytes to a normalised float32 ``(3, S, S)`` tensor.
+
+    The pixel count is checked from the header, before the image is decoded, so a small file
+    that declares huge dimensions costs nothing. Blocking: call it from a worker thread.
+    """
+    try:
+        image = Image.open(io.BytesIO(data), formats=_FORMATS)
+    except UnidentifiedImageError:
+        raise InvalidInput("the data is not a PNG or JPEG image") from None
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+        raise InvalidInput(_bomb(None, max_pixels)) from None
+    except (OSError, SyntaxError, ValueError) as exc:
+        raise InvalidInput(f"the image header cannot be read: {exc}") from None
+    with image:
+        width, height = image.size
+        if width <= 0 or height <= 0:
+            raise InvalidInput(f"the image has no pixels ({width}x{height})")
+        if width * height > max_pixels:
+            raise InvalidInput(_bomb((width, height), max_pixels))
+        try:
+            # JPEG can decode at 1/2..1/8 scale directly; never below the size we need.
+            image.draft("RGB", (preprocess.image_size, preprocess.image_size))
+            rgb = image.convert("RGB")
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+            raise InvalidInput(_bomb((width, height), max_pixels)) from None
+        except (OSError, SyntaxError, ValueError) as exc:
+            raise InvalidInput(f"the image is corrupt or truncated: {exc}") from None
+    return _normalise(_resize(rgb, preprocess), preprocess)
+
+
+def _bomb(size: tuple[int, int] | None, max_pixels: int) -> str:
+    declared = f" declares {size[0]}x{size[1]} pixels" if size else " is too large"
+    return f"the image{declared}; the limit is {max_pixels} pixels (width x height)"
+
+
+def _resize(image: Image.Image, preprocess: Preprocess) -> Image.Image:
+    side = preprocess.image_size
+    if not preprocess.center_crop:
+        return image.resize((side, side), Image.Resampling.BICUBIC, reducing_gap=3.0)
+    scale = side / min(image.size)
+    width = max(side, round(image.width * scale))
+    height = max(side, round(image.height * scale))
+    image = image.resize((width, height), Image.Resampling.BICUBIC, reducing_gap=3.0)
+    left, top = (width - side) // 2, (height - side) // 2
+    return image.crop((left, top, left + side, top + side))
+
+
+def _normalise(image: Image.Image, preprocess: Preprocess) -> torch.Tensor:
+    array = np.asarray(image, dtype=np.uint8)  # (H, W, 3)
+    pixels = torch.from_numpy(array.copy()).permute(2, 0, 1).to(torch.float32).div_(255.0)
+    mean = torch.tensor(preprocess.mean, dtype=torch.float32).view(3, 1, 1)
+    std = torch.tensor(preprocess.std, dtype=torch.float32).view(3, 1, 1)
+    return pixels.sub_(mean).div_(std).contiguous()

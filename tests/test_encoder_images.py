@@ -1,0 +1,154 @@
+"""Image loading and decoding: every bad input is an InvalidInput a person can act on."""
+
+from __future__ import annotations
+
+import base64
+import io
+import struct
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from trio_encode.encoder.images import Preprocess, decode_image, load_item
+from trio_encode.errors import InvalidInput
+
+MAX_BYTES = 1 << 20
+PRE = Preprocess(image_size=16)
+
+
+def encoded(size: tuple[int, int] = (20, 12), fmt: str = "PNG", color: int = 90) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", size, (color, 2 * color % 256, 255 - color)).save(buffer, format=fmt)
+    return buffer.getvalue()
+
+
+def data_uri(data: bytes, media_type: str = "image/png") -> str:
+    return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
+
+
+def png_declaring(width: int, height: int) -> bytes:
+    """A tiny PNG whose header claims ``width`` x ``height`` pixels (a decompression bomb's
+    calling card: a few bytes on the wire, gigabytes once decoded)."""
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        crc = zlib.crc32(kind + body) & 0xFFFFFFFF
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", crc)
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", header)
+        + chunk(b"IDAT", zlib.compress(b"\x00" * 64))
+        + chunk(b"IEND", b"")
+    )
+
+
+def test_png_and_jpeg_data_uris_decode_to_normalised_pixels() -> None:
+    for fmt, media_type in (("PNG", "image/png"), ("JPEG", "image/jpeg")):
+        data = load_item(data_uri(encoded(fmt=fmt), media_type), max_bytes=MAX_BYTES)
+        pixels = decode_image(data, PRE, max_pixels=10_000)
+        assert pixels.shape == (3, 16, 16)
+        assert pixels.dtype == torch.float32
+        assert pixels.min() >= -1.0
+        assert pixels.max() <= 1.0
+
+
+def test_grayscale_and_alpha_images_become_rgb() -> None:
+    for mode in ("L", "RGBA", "P"):
+        buffer = io.BytesIO()
+        Image.new(mode, (8, 8)).save(buffer, format="PNG")
+        assert decode_image(buffer.getvalue(), PRE, max_pixels=100).shape == (3, 16, 16)
+
+
+def test_center_crop_keeps_the_middle() -> None:
+    image = Image.new("RGB", (48, 16), (0, 0, 0))
+    image.paste((255, 255, 255), (16, 0, 32, 16))
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    crop = Preprocess(image_size=16, mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0), center_crop=True)
+    pixels = decode_image(buffer.getvalue(), crop, max_pixels=10_000)
+    assert torch.allclose(pixels, torch.ones_like(pixels))
+
+
+@pytest.mark.parametrize(
+    ("item", "words"),
+    [
+        ("data:image/png;base64,%%%not-base64%%%", "base64"),
+        ("data:image/png;base64,aGVsbG8=", "not a PNG or JPEG"),
+        ("data:image/gif;base64,R0lGODlh", "unsupported image type 'image/gif'"),
+        ("data:text/plain;base64,aGVsbG8=", "unsupported image type"),
+        ("data:image/png,rawbytes", "base64-encoded"),
+        ("data:image/png;base64", "malformed data URI"),
+        ("data:image/png;base64,", "empty"),
+        ("https://example.com/cat.png", "file paths are not accepted"),
+        ("/etc/passwd", "file paths are not accepted"),
+    ],
+)
+def test_bad_items_are_invalid_input(item: str, words: str) -> None:
+    with pytest.raises(InvalidInput, match=words):
+        data = load_item(item, max_bytes=MAX_BYTES)
+        decode_image(data, PRE, max_pixels=10_000)
+
+
+def test_a_gif_disguised_as_png_is_refused() -> None:
+    buffer = io.BytesIO()
+    Image.new("RGB", (4, 4)).save(buffer, format="GIF")
+    data = load_item(data_uri(buffer.getvalue()), max_bytes=MAX_BYTES)
+    with pytest.raises(InvalidInput, match="not a PNG or JPEG"):
+        decode_image(data, PRE, max_pixels=10_000)
+
+
+def test_too_many_bytes_is_refused_before_decoding() -> None:
+    data = encoded((64, 64))
+    with pytest.raises(InvalidInput, match="limit is 100 bytes"):
+        load_item(data_uri(data), max_bytes=100)
+
+
+def test_pixel_limit_is_checked_from_the_header() -> None:
+    data = encoded((200, 100))
+    with pytest.raises(InvalidInput, match=r"declares 200x100 pixels; the limit is 10000"):
+        decode_image(data, PRE, max_pixels=10_000)
+
+
+def test_decompression_bomb_is_invalid_input_not_an_allocation() -> None:
+    # 100k x 100k x 3 bytes would be 30 GB; the file is under 100 bytes.
+    bomb = png_declaring(100_000, 100_000)
+    assert len(bomb) < 100
+    data = load_item(data_uri(bomb), max_bytes=MAX_BYTES)
+    with pytest.raises(InvalidInput, match="pixels"):
+        decode_image(data, PRE, max_pixels=40_000_000)
+    # Even past Pillow's own bomb limit, with our limit set higher.
+    with pytest.raises(InvalidInput, match="pixels"):
+        decode_image(bomb, PRE, max_pixels=10**12)
+
+
+def test_truncated_image_is_invalid_input() -> None:
+    buffer = io.BytesIO()
+    Image.effect_noise((64, 64), 60).convert("RGB").save(buffer, format="JPEG")
+    data = buffer.getvalue()
+    with pytest.raises(InvalidInput, match="corrupt or truncated"):
+        decode_image(data[: len(data) // 2], PRE, max_pixels=10_000)
+
+
+def test_media_dir_files_load_only_from_inside(tmp_path: Path) -> None:
+    media = tmp_path / "media"
+    (media / "sub").mkdir(parents=True)
+    (media / "sub" / "cat.png").write_bytes(encoded())
+    (tmp_path / "secret.png").write_bytes(encoded())
+    (media / "link.png").symlink_to(tmp_path / "secret.png")
+    (media / "notes.txt").write_text("hello")
+
+    assert load_item("sub/cat.png", max_bytes=MAX_BYTES, media_dir=media) == encoded()
+    assert load_item(str(media / "sub" / "cat.png"), max_bytes=MAX_BYTES, media_dir=media)
+    for escape in ("../secret.png", str(tmp_path / "secret.png"), "link.png", "sub/../../secret.png"):
+        with pytest.raises(InvalidInput, match="outside the media directory"):
+            load_item(escape, max_bytes=MAX_BYTES, media_dir=media)
+    with pytest.raises(InvalidInput, match="no such image file"):
+        load_item("missing.png", max_bytes=MAX_BYTES, media_dir=media)
+    with pytest.raises(InvalidInput, match=r"must be \.png, \.jpg or \.jpeg"):
+        load_item("notes.txt", max_bytes=MAX_BYTES, media_dir=media)
+    with pytest.raises(InvalidInput, match="limit is 10 bytes"):
+        load_item("sub/cat.png", max_bytes=10, media_dir=media)
