@@ -1,0 +1,95 @@
+"""The quart-trio app: four routes of the HTTP contract, each a few lines.
+
+A handler parses its body, calls the service, and maps the result; failures are mapped in
+:mod:`trio_encode.server.errors`. Nothing here touches a scope, an engine or a tensor, so a
+handler cancelled by a disconnecting client leaves only what the service decides to keep.
+
+Auth: when a token is set, ``/encode`` and ``/send`` need ``Authorization: Bearer <token>``.
+``/health`` and ``/metrics`` stay open, because probes and scrapers rarely carry secrets and
+neither route reveals request data or changes state.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any
+
+from quart import Response, g, jsonify, request
+from quart_trio import QuartTrio
+
+from trio_encode.scope import Receiver
+from trio_encode.server.errors import error_response, install_error_handlers
+from trio_encode.server.metrics import Metrics
+from trio_encode.server.schemas import (
+    EncodeRequest,
+    SendRequest,
+    encode_answer,
+    parse_body,
+    send_answer,
+)
+from trio_encode.service import EncodeService
+from trio_encode.settings import ServerSettings
+
+_PROTECTED = frozenset({"/encode", "/send"})
+
+
+def create_app(service: EncodeService, metrics: Metrics, settings: ServerSettings) -> Any:
+    """Build the app serving ``service``; metrics count every answer."""
+    app = QuartTrio(__name__)
+    app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
+    install_error_handlers(app)
+    expected = f"Bearer {settings.token}".encode() if settings.token else None
+
+    @app.before_request
+    async def check_token() -> Response | None:
+        if expected is None or request.path not in _PROTECTED:
+            return None
+        given = request.headers.get("Authorization", "").encode()
+        if hmac.compare_digest(given, expected):
+            return None
+        return error_response(401, "missing or wrong bearer token (Authorization: Bearer ...)")
+
+    @app.after_request
+    async def count(response: Response) -> Response:
+        route = request.url_rule.rule if request.url_rule is not None else "other"
+        metrics.request_answered(route, response.status_code)
+        return response
+
+    @app.post("/encode")
+    async def encode() -> Response:
+        body = parse_body(
+            EncodeRequest, await request.get_data(cache=False, as_text=False, parse_form_data=False)
+        )
+        g.req_id = body.req_id
+        report = await service.encode(body.req_id, body.mm_items, receive_count=body.receive_count)
+        return jsonify(encode_answer(body, report))
+
+    @app.post("/send")
+    async def send() -> Response:
+        body = parse_body(
+            SendRequest, await request.get_data(cache=False, as_text=False, parse_form_data=False)
+        )
+        g.req_id = body.req_id
+        receiver = Receiver(body.session_id, body.buffer_address)
+        report = await service.send(body.req_id, receiver, receive_count=body.receive_count)
+        return jsonify(send_answer(body.req_id, report))
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not service.ready:
+            why = "shutting down" if service.registry.closed else "the encoder is not loaded yet"
+            return error_response(503, f"not ready: {why}")
+        return jsonify(
+            {
+                "status": "ok",
+                "session_id": service.engine.session_id,
+                "live_scopes": len(service.registry),
+                "live_registrations": service.ledger.live_registrations,
+            }
+        )
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), content_type=metrics.content_type)
+
+    return app

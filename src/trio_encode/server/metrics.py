@@ -1,0 +1,211 @@
+"""Prometheus metrics, fed by lifecycle events and by the HTTP layer.
+
+The metrics live in their own :class:`CollectorRegistry` so that several servers in one process
+(tests, the demo) never share or clash over counters. The two "live" gauges are read from the
+service itself at scrape time rather than counted from events: a registration the ledger lost
+track of would then still show, which is the leak this gauge exists to reveal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import trio
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+if TYPE_CHECKING:
+    from trio_encode.scope import EmbeddingMemory
+    from trio_encode.service import Encoder, EncodeService
+
+PREFIX = "trio_encode_"
+
+# Encoder runs take tens of ms to seconds; transfers of MB-scale embeddings, ms.
+_ENCODE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+_TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5, 30)
+
+
+class Metrics:
+    """The server's metrics; the service's ``LifecycleObserver`` and the encoder's
+    ``EncoderObserver``."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            PREFIX + "requests_total", "Answered HTTP requests.", ["route", "status"], registry=r
+        )
+        self.encode_seconds = Histogram(
+            PREFIX + "encode_seconds", "One encoder run.", buckets=_ENCODE_BUCKETS, registry=r
+        )
+        self.transfer_seconds = Histogram(
+            PREFIX + "transfer_seconds",
+            "One transfer into a receiver.",
+            buckets=_TRANSFER_BUCKETS,
+            registry=r,
+        )
+        self.transfer_bytes = Counter(
+            PREFIX + "transfer_bytes", "Bytes written into receivers.", registry=r
+        )
+        self.live_scopes = Gauge(PREFIX + "live_scopes", "Request scopes alive now.", registry=r)
+        self.live_registrations = Gauge(
+            PREFIX + "live_registrations", "Memory registrations held now.", registry=r
+        )
+        self.registrations = Counter(
+            PREFIX + "registrations", "Memory registrations made.", registry=r
+        )
+        self.deregistrations = Counter(
+            PREFIX + "deregistrations", "Memory registrations released.", registry=r
+        )
+        self.backstop_expiries = Counter(
+            PREFIX + "backstop_expiries", "Scopes ended by their deadline.", registry=r
+        )
+        self.scopes_closed = Counter(
+            PREFIX + "scopes_closed", "Scopes ended, by reason.", ["reason"], registry=r
+        )
+        self.engine_errors = Counter(
+            PREFIX + "engine_errors",
+            "Transfer-engine calls that returned an error.",
+            ["call", "code"],
+            registry=r,
+        )
+        # Until attach() names a service, count the live ones from events.
+        self._open_scopes = 0
+        self._held_registrations = 0
+        self.live_scopes.set_function(lambda: self._open_scopes)
+        self.live_registrations.set_function(lambda: self._held_registrations)
+        # The encoder's own events (EncoderObserver).
+        self.batch_size = Histogram(
+            PREFIX + "encoder_batch_size",
+            "Images per forward pass.",
+            buckets=(1, 2, 4, 8, 16, 32, 64),
+            registry=r,
+        )
+        self.forward_seconds = Histogram(
+            PREFIX + "encoder_forward_seconds",
+            "One forward pass over a batch.",
+            buckets=_ENCODE_BUCKETS,
+            registry=r,
+        )
+        self.forward_failures = Counter(
+            PREFIX + "encoder_forward_failures", "Forward passes that raised.", registry=r
+        )
+        self.queue_wait_seconds = Histogram(
+            PREFIX + "encoder_queue_wait_seconds",
+            "Time an image waited for its forward pass.",
+            buckets=_ENCODE_BUCKETS,
+            registry=r,
+        )
+        self.cache_hits = Counter(PREFIX + "encoder_cache_hits", "Cached images.", registry=r)
+        self.cache_misses = Counter(
+            PREFIX + "encoder_cache_misses", "Images not in the cache.", registry=r
+        )
+        self.cache_bytes = Gauge(
+            PREFIX + "encoder_cache_bytes", "Bytes of embeddings cached.", registry=r
+        )
+        self.cache_entries = Gauge(
+            PREFIX + "encoder_cache_entries", "Embeddings cached.", registry=r
+        )
+        self.encoder_rejected = Counter(
+            PREFIX + "encoder_rejected_images",
+            "Images refused because the queue was full.",
+            registry=r,
+        )
+
+    def attach(self, service: EncodeService) -> None:
+        """Read the live gauges from ``service`` itself from now on."""
+        self.live_scopes.set_function(lambda: len(service.registry))
+        self.live_registrations.set_function(lambda: service.ledger.live_registrations)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)
+
+    def request_answered(self, route: str, status: int) -> None:
+        self.requests.labels(route=route, status=str(status)).inc()
+
+    def timed(self, encoder: Encoder) -> Encoder:
+        """``encoder`` with every run timed into ``encode_seconds``."""
+        return _TimedEncoder(encoder, self.encode_seconds)
+
+    # -- LifecycleObserver --------------------------------------------------------------------
+
+    def scope_opened(self, req_id: str) -> None:
+        self._open_scopes += 1
+
+    def scope_closed(self, req_id: str, reason: str) -> None:
+        self._open_scopes -= 1
+        self.scopes_closed.labels(reason=reason).inc()
+
+    def registered(self, address: int, length: int) -> None:
+        self._held_registrations += 1
+        self.registrations.inc()
+
+    def deregistered(self, address: int) -> None:
+        self._held_registrations -= 1
+        self.deregistrations.inc()
+
+    def transfer_finished(self, req_id: str, nbytes: int, seconds: float) -> None:
+        self.transfer_bytes.inc(nbytes)
+        self.transfer_seconds.observe(seconds)
+
+    def engine_error(self, call: str, code: int) -> None:
+        self.engine_errors.labels(call=call, code=str(code)).inc()
+
+    def backstop_expired(self, req_id: str) -> None:
+        self.backstop_expiries.inc()
+
+    # -- EncoderObserver ----------------------------------------------------------------------
+
+    def batch_finished(self, images: int, forward_seconds: float, ok: bool) -> None:
+        self.batch_size.observe(images)
+        self.forward_seconds.observe(forward_seconds)
+        if not ok:
+            self.forward_failures.inc()
+
+    def queue_waited(self, seconds: float) -> None:
+        self.queue_wait_seconds.observe(seconds)
+
+    def cache_looked_up(self, hits: int, misses: int) -> None:
+        self.cache_hits.inc(hits)
+        self.cache_misses.inc(misses)
+
+    def cache_size(self, nbytes: int, entries: int) -> None:
+        self.cache_bytes.set(nbytes)
+        self.cache_entries.set(entries)
+
+    def rejected(self, images: int) -> None:
+        self.encoder_rejected.inc(images)
+
+
+class _TimedEncoder:
+    """Delegates to an encoder and times each ``encode`` (only runs that return are timed)."""
+
+    def __init__(self, encoder: Encoder, histogram: Histogram) -> None:
+        self._encoder = encoder
+        self._histogram = histogram
+
+    @property
+    def ready(self) -> bool:
+        return self._encoder.ready
+
+    async def load_items(self, items: Sequence[str]) -> list[bytes]:
+        return await self._encoder.load_items(items)
+
+    async def encode(self, images: Sequence[bytes]) -> EmbeddingMemory:
+        started = trio.current_time()
+        embedding = await self._encoder.encode(images)
+        self._histogram.observe(trio.current_time() - started)
+        return embedding
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        await self._encoder.run(task_status=task_status)

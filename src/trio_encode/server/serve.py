@@ -1,0 +1,164 @@
+"""Running the app under hypercorn's Trio worker, inside the service's lifetime.
+
+Order matters. The service nursery is opened first and closed last, so every request scope
+outlives every HTTP handler that joined it. Shutdown (a signal, or :meth:`RunningServer.stop`)
+goes:
+
+1. the service stops opening scopes (new ``/encode`` -> 503) but keeps serving live scopes, so
+   sibling ranks can still ``/send`` during the grace period;
+2. after the grace, scopes still live are cancelled (cut short); each waits for any transfer
+   thread it runs, then deregisters and drops its embedding;
+3. only then hypercorn stops listening and finishes the connections it holds;
+4. the service nursery closes (the encoder's background work ends with it).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from functools import partial
+
+import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve as hypercorn_serve
+
+from trio_encode.engine import TransferEngine
+from trio_encode.server.app import create_app
+from trio_encode.server.metrics import Metrics
+from trio_encode.service import Encoder, EncodeService, ShutdownReport
+from trio_encode.settings import ServerSettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class RunningServer:
+    """A server that is accepting requests; what in-process callers (tests, the demo) need."""
+
+    url: str
+    """``http://host:port`` with the port actually bound (also when 0 was asked for)."""
+    service: EncodeService
+    metrics: Metrics
+    _stop: trio.Event = field(default_factory=trio.Event)
+
+    def stop(self) -> None:
+        """Begin a graceful shutdown (what SIGINT/SIGTERM do); returns at once."""
+        self._stop.set()
+
+
+def _bind(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _hypercorn_config(settings: ServerSettings) -> Config:
+    config = Config()
+    config.bind = [_bind(settings.host, settings.port)]
+    config.accesslog = None
+    config.errorlog = logging.getLogger("hypercorn.error")
+    # By the time hypercorn is asked to stop, every scope has ended, so a handler still
+    # running is one finishing its answer: a few seconds is plenty.
+    config.graceful_timeout = 5.0
+    return config
+
+
+async def serve(
+    settings: ServerSettings,
+    *,
+    engine: TransferEngine,
+    encoder: Encoder,
+    metrics: Metrics | None = None,
+    handle_signals: bool = False,
+    task_status: trio.TaskStatus[RunningServer] = trio.TASK_STATUS_IGNORED,
+) -> ShutdownReport:
+    """Serve until stopped; return how the live scopes ended.
+
+    With ``nursery.start(serve, ...)`` the caller gets a :class:`RunningServer` once the socket
+    is bound. ``handle_signals`` (main thread only) makes SIGINT and SIGTERM stop it gracefully.
+    """
+    metrics = metrics if metrics is not None else Metrics()
+    async with EncodeService.running(
+        engine=engine,
+        encoder=metrics.timed(encoder),
+        settings=settings.service_settings(),
+        observer=metrics,
+    ) as service:
+        metrics.attach(service)
+        app = create_app(service, metrics, settings)
+        stop_listening = trio.Event()
+        async with trio.open_nursery() as nursery:
+            binds = await nursery.start(
+                _serve_http, app, _hypercorn_config(settings), stop_listening
+            )
+            running = RunningServer(binds[0], service, metrics)
+            log.info("serving on %s (transfer engine %s)", running.url, engine.session_id)
+            watching = trio.CancelScope()
+            if handle_signals:
+                nursery.start_soon(_stop_on_signal, running, watching)
+            task_status.started(running)
+            await running._stop.wait()
+            log.info(
+                "shutting down: %d live scopes get %.1f s to finish",
+                len(service.registry),
+                settings.shutdown_grace,
+            )
+            report = await service.shutdown()
+            watching.cancel()
+            stop_listening.set()
+    leaked = service.ledger.live_registrations
+    log.info(
+        "stopped: %d scopes finished, %d cut short, %d registrations left",
+        report.finished,
+        report.cut_short,
+        leaked,
+    )
+    if leaked:
+        log.error("%d registrations were still held at exit", leaked)
+    return report
+
+
+async def _serve_http(
+    app: object,
+    config: Config,
+    stop_listening: trio.Event,
+    *,
+    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    await hypercorn_serve(
+        app,  # type: ignore[arg-type]
+        config,
+        shutdown_trigger=stop_listening.wait,
+        task_status=task_status,
+    )
+
+
+async def _stop_on_signal(running: RunningServer, watching: trio.CancelScope) -> None:
+    # After the first signal the default handlers are back: a second Ctrl-C interrupts the
+    # grace period (the service still releases every registration on the way out).
+    with watching, trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for signum in signals:
+            log.info("received %s", signal.Signals(signum).name)
+            running.stop()
+            return
+
+
+@asynccontextmanager
+async def open_server(
+    settings: ServerSettings,
+    *,
+    engine: TransferEngine,
+    encoder: Encoder,
+    metrics: Metrics | None = None,
+) -> AsyncIterator[RunningServer]:
+    """Run a server for the body of an ``async with``; on exit stop it and wait until every
+    scope has ended. The shutdown report is then in ``running.service.shutdown_report``."""
+    async with trio.open_nursery() as nursery:
+        running: RunningServer = await nursery.start(
+            partial(serve, settings, engine=engine, encoder=encoder, metrics=metrics)
+        )
+        try:
+            yield running
+        finally:
+            running.stop()

@@ -1,0 +1,75 @@
+"""Real Mooncake engines for the HTTP tests, and a transfer that takes real time in a thread.
+
+Engines are made once per session: the Python binding cannot close one, and each owns sockets
+and threads. A missing Mooncake makes the tests that use them fail, never skip.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import pytest
+import trio
+
+from trio_encode.engine import EngineError
+from trio_encode.engine.mooncake import MooncakeEngine, MooncakeSettings
+
+TP = 4
+DEAD_SESSION = "127.0.0.1:1"
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """One engine for the server and one for each of the ``TP`` prefill ranks."""
+
+    server: MooncakeEngine
+    ranks: tuple[MooncakeEngine, ...]
+
+
+async def _create_fleet() -> Fleet:
+    settings = MooncakeSettings()
+    server = await MooncakeEngine.create(settings)
+    ranks = [await MooncakeEngine.create(settings) for _ in range(TP)]
+    return Fleet(server, tuple(ranks))
+
+
+@pytest.fixture(scope="session")
+def fleet() -> Fleet:
+    """Created in a ``trio.run`` of its own, since trio fixtures cannot outlive one test."""
+    return trio.run(_create_fleet)
+
+
+class DelayedTransferEngine:
+    """A Mooncake engine whose transfers first sleep ``delay`` seconds in the *same* worker
+    thread: a transfer that is really in flight, which no cancellation can interrupt."""
+
+    def __init__(self, engine: MooncakeEngine, delay: float) -> None:
+        self.engine = engine
+        self.delay = delay
+
+    @property
+    def session_id(self) -> str:
+        return self.engine.session_id
+
+    async def register(self, address: int, length: int) -> None:
+        await self.engine.register(address, length)
+
+    async def deregister(self, address: int) -> None:
+        await self.engine.deregister(address)
+
+    async def transfer(
+        self, session_id: str, local_address: int, remote_address: int, length: int
+    ) -> None:
+        def slow_write() -> int:
+            time.sleep(self.delay)
+            code: int = self.engine.raw.transfer_sync_write(
+                session_id, local_address, remote_address, length
+            )
+            return code
+
+        code = await trio.to_thread.run_sync(slow_write, abandon_on_cancel=False)
+        if code != 0:
+            raise EngineError(
+                "transfer", code, session_id=session_id, remote_address=remote_address
+            )

@@ -1,0 +1,69 @@
+"""An in-process server on a free loopback port, TP landing pools, and /metrics readings."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+
+from trio_encode.client import EncodeClient, LandingPool, metric_value
+from trio_encode.engine import TransferEngine
+from trio_encode.server.serve import RunningServer, open_server
+from trio_encode.settings import ServerSettings
+from trio_encode.service import Encoder
+
+from .encoder import StandInEncoder
+from .engines import Fleet
+
+P = "trio_encode_"
+
+
+@dataclass
+class Harness:
+    running: RunningServer
+    client: EncodeClient
+    encoder: Encoder
+
+    async def metrics(self) -> str:
+        return await self.client.metrics()
+
+    async def value(self, name: str, **labels: str) -> float:
+        return metric_value(await self.metrics(), P + name, **labels)
+
+    async def settled(self, timeout: float = 5.0) -> str:
+        """/metrics once no scope and no registration is live (the last answer of a scope can
+        arrive a moment before the scope has released); fails after ``timeout``."""
+        with trio.move_on_after(timeout):
+            while True:
+                text = await self.metrics()
+                if (
+                    metric_value(text, P + "live_scopes") == 0
+                    and metric_value(text, P + "live_registrations") == 0
+                ):
+                    return text
+                await trio.sleep(0.02)
+        raise AssertionError(f"scopes or registrations still live:\n{await self.metrics()}")
+
+
+@asynccontextmanager
+async def serving(
+    engine: TransferEngine, encoder: Encoder | None = None, **settings: Any
+) -> AsyncIterator[Harness]:
+    """A server on ``127.0.0.1:0`` for the body of the ``async with``, and a client for it."""
+    encoder = encoder if encoder is not None else StandInEncoder()
+    config = ServerSettings(port=0, **settings)
+    async with (
+        open_server(config, engine=engine, encoder=encoder) as running,
+        EncodeClient(running.url, token=config.token) as client,
+    ):
+        yield Harness(running, client, encoder)
+
+
+@asynccontextmanager
+async def landing_pools(fleet: Fleet, nbytes: int) -> AsyncIterator[list[LandingPool]]:
+    """One registered pool of ``nbytes`` on each rank's engine."""
+    async with AsyncExitStack() as stack:
+        yield [await stack.enter_async_context(LandingPool.open(e, nbytes)) for e in fleet.ranks]

@@ -1,0 +1,64 @@
+"""End to end over HTTP: TP ranks with real Mooncake engines, every landed byte checked."""
+
+from __future__ import annotations
+
+import torch
+import trio
+
+from support.encoder import embedding_size, expected_embedding, image_uri
+from support.engines import TP, Fleet, fleet  # noqa: F401  (fixture)
+from support.harness import P, landing_pools, serving
+from trio_encode.client import LandingSlot, metric_value
+
+REQUESTS = 12
+IMAGES = 2
+
+
+def _images(req: int) -> list[bytes]:
+    return [f"image {req}.{i}".encode() * 50 for i in range(IMAGES)]
+
+
+async def test_tp4_ranks_encode_and_send_many_requests_at_once(fleet: Fleet) -> None:
+    size = embedding_size(IMAGES)
+    landed: dict[tuple[int, int], tuple[LandingSlot, int]] = {}
+    async with (
+        serving(fleet.server) as harness,
+        landing_pools(fleet, REQUESTS * size + 4096) as pools,
+    ):
+
+        async def rank(req: int, r: int) -> None:
+            req_id = f"e2e-{req}"
+            items = [image_uri(image) for image in _images(req)]
+            encoded = await harness.client.encode(req_id, items, receive_count=TP, part_idx=r)
+            assert encoded.embedding_size == size
+            assert encoded.body["part_idx"] == r
+            slot = pools[r].allocate(encoded.embedding_size)
+            sent = await harness.client.send(req_id, pools[r].session_id, slot.address)
+            assert (sent.embedding_len, sent.embedding_dim, sent.dtype) == (
+                encoded.embedding_len,
+                encoded.embedding_dim,
+                "float32",
+            )
+            assert 1 <= sent.receivers_done <= TP
+            landed[req, r] = (slot, sent.embedding_len)
+
+        async with trio.open_nursery() as nursery:
+            for req in range(REQUESTS):
+                for r in range(TP):
+                    nursery.start_soon(rank, req, r)
+
+        for req in range(REQUESTS):
+            expected = expected_embedding(_images(req))
+            copies = [landed[req, r][0].read(*expected.shape, "float32") for r in range(TP)]
+            for copy in copies:
+                assert torch.equal(copy, expected)
+
+        text = await harness.settled()
+        assert metric_value(text, P + "registrations_total") == REQUESTS
+        assert metric_value(text, P + "deregistrations_total") == REQUESTS
+        assert metric_value(text, P + "transfer_bytes_total") == REQUESTS * TP * size
+        assert metric_value(text, P + "requests_total", route="/send", status="200") == (
+            REQUESTS * TP
+        )
+        assert metric_value(text, P + "backstop_expiries_total") == 0
+        assert harness.encoder.runs == REQUESTS  # type: ignore[attr-defined]
