@@ -148,9 +148,12 @@ class ImageEncoder:
 
     # -- per request -------------------------------------------------------------------------
 
-    def load_items(self, items: Sequence[str]) -> list[bytes]:
-        """The encoded bytes of each ``mm_items`` entry (no pixel decoding; blocking for file
-        paths, so call it in a thread). Raises :class:`InvalidInput` naming the entry."""
+    async def load_items(self, items: Sequence[str]) -> list[bytes]:
+        """The encoded bytes of each ``mm_items`` entry, without decoding pixels. Runs off the
+        event loop (base64 of MBs, file reads). Raises :class:`InvalidInput` naming the entry."""
+        return await self._run_decode(partial(self._load_items, list(items)))
+
+    def _load_items(self, items: list[str]) -> list[bytes]:
         loaded = []
         for index, item in enumerate(items):
             try:

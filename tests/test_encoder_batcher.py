@@ -1,0 +1,378 @@
+"""The batcher's queue, cancellation and failure logic, replayed on Trio's mock clock.
+
+The model here is a fake whose output row is the image's own colour, and the "thread" runs
+inline after a virtual-time sleep, so no real thread meets the mock clock.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import replace
+from typing import TypeVar
+
+import pytest
+import torch
+import trio
+import trio.testing
+from PIL import Image
+
+from trio_encode.embedding import Embedding
+from trio_encode.encoder import EncoderSettings, ImageEncoder, Preprocess
+from trio_encode.errors import EncodeFailed, InvalidInput, Overloaded, ShuttingDown
+
+T = TypeVar("T")
+FORWARD_SECONDS = 1.0
+SETTINGS = EncoderSettings(
+    max_batch_size=4, max_batch_wait=0.01, queue_size=8, cache_bytes=0, warmup=False
+)
+
+
+class FakeBackend:
+    """Each image's embedding is its colour: row ``(r, g, b)`` in every token."""
+
+    model_id = "fake"
+    preprocess = Preprocess(image_size=4, mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0))
+    tokens_per_image = 2
+    hidden_size = 3
+    dtype = torch.float32
+
+    def __init__(self) -> None:
+        self.batches: list[list[int]] = []
+        self.fail = False
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        red = [round(float(v) * 255) for v in pixels[:, 0, 0, 0]]
+        self.batches.append(red)
+        if self.fail:
+            raise RuntimeError("out of cheese")
+        colour = pixels[:, :, 0, 0] * 255
+        return colour.unsqueeze(1).expand(-1, 2, 3).round().contiguous()
+
+    @property
+    def encoded(self) -> list[int]:
+        return [red for batch in self.batches for red in batch]
+
+
+class Events:
+    """An EncoderObserver that writes everything down."""
+
+    def __init__(self) -> None:
+        self.batches: list[tuple[int, bool]] = []
+        self.waits: list[float] = []
+        self.lookups: list[tuple[int, int]] = []
+        self.sizes: list[tuple[int, int]] = []
+        self.rejections: list[int] = []
+
+    def batch_finished(self, images: int, forward_seconds: float, ok: bool) -> None:
+        self.batches.append((images, ok))
+
+    def queue_waited(self, seconds: float) -> None:
+        self.waits.append(seconds)
+
+    def cache_looked_up(self, hits: int, misses: int) -> None:
+        self.lookups.append((hits, misses))
+
+    def cache_size(self, nbytes: int, entries: int) -> None:
+        self.sizes.append((nbytes, entries))
+
+    def rejected(self, images: int) -> None:
+        self.rejections.append(images)
+
+
+async def inline(fn: Callable[[], T]) -> T:
+    return fn()
+
+
+class SlowForward:
+    """Runs the forward inline after FORWARD_SECONDS of virtual time."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def __call__(self, fn: Callable[[], T]) -> T:
+        self.calls += 1
+        await trio.sleep(FORWARD_SECONDS)
+        return fn()
+
+
+def image(red: int) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", (4, 4), (red, 7, 9)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def reds(embedding: Embedding) -> list[int]:
+    return [int(v) for v in embedding.tensor[:, 0]]
+
+
+def make(settings: EncoderSettings = SETTINGS) -> tuple[ImageEncoder, FakeBackend, Events]:
+    backend = FakeBackend()
+    events = Events()
+    encoder = ImageEncoder(
+        backend, settings, observer=events, run_decode=inline, run_forward=SlowForward()
+    )
+    return encoder, backend, events
+
+
+@asynccontextmanager
+async def serving(encoder: ImageEncoder) -> AsyncIterator[trio.Nursery]:
+    async with trio.open_nursery() as nursery:
+        await nursery.start(encoder.run)
+        yield nursery
+        nursery.cancel_scope.cancel()
+
+
+async def test_concurrent_requests_share_one_forward(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    encoder, backend, events = make()
+    results: dict[int, Embedding] = {}
+
+    async def one(red: int) -> None:
+        results[red] = await encoder.encode([image(red)])
+
+    async with serving(encoder), trio.open_nursery() as nursery:
+        for red in (10, 20, 30):
+            nursery.start_soon(one, red)
+    assert [sorted(batch) for batch in backend.batches] == [[10, 20, 30]]
+    assert events.batches == [(3, True)]
+    for red, embedding in results.items():
+        assert reds(embedding) == [red, red]
+        assert (embedding.rows, embedding.dim, embedding.dtype) == (2, 3, "float32")
+    # Without a cache, single-image embeddings are rows of one batched output: distinct,
+    # non-overlapping ranges of the same memory.
+    storages = {e.tensor.untyped_storage().data_ptr() for e in results.values()}
+    assert len(storages) == 1
+    addresses = sorted(e.address for e in results.values())
+    assert all(b - a >= 2 * 3 * 4 for a, b in itertools.pairwise(addresses))
+
+
+async def test_batches_hold_at_most_max_batch_size_images(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    encoder, backend, _ = make(replace(SETTINGS, max_batch_size=2))
+    async with serving(encoder):
+        embedding = await encoder.encode([image(r) for r in (1, 2, 3, 4, 5)])
+    assert backend.batches == [[1, 2], [3, 4], [5]]
+    assert reds(embedding) == [1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
+    assert embedding.rows == 10
+
+
+async def test_a_lone_image_waits_at_most_max_batch_wait(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    encoder, _, events = make(replace(SETTINGS, max_batch_wait=0.25))
+    async with serving(encoder):
+        start = trio.current_time()
+        await encoder.encode([image(1)])
+        assert trio.current_time() - start == pytest.approx(0.25 + FORWARD_SECONDS)
+    assert events.waits == [pytest.approx(0.25)]
+
+
+async def test_images_queued_during_a_forward_do_not_wait_again(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    encoder, backend, _ = make(replace(SETTINGS, max_batch_wait=0.5))
+    async with serving(encoder), trio.open_nursery() as nursery:
+        nursery.start_soon(encoder.encode, [image(1)])
+        await trio.sleep(0.6)  # the first batch is running now
+        nursery.start_soon(encoder.encode, [image(2)])
+        await trio.sleep(0.8)  # the first batch ends at 1.5; image 2 waited 0.9 by then
+        start = trio.current_time()
+        await encoder.encode([image(3)])
+        # Image 3 joined image 2's batch at once: no new batch window, just the forward.
+        assert trio.current_time() - start == pytest.approx(0.1 + FORWARD_SECONDS)
+    assert backend.batches == [[1], [2, 3]]
+
+
+async def test_full_queue_raises_overloaded(autojump_clock: trio.testing.MockClock) -> None:
+    encoder, backend, events = make(replace(SETTINGS, max_batch_size=1, queue_size=3))
+    outcomes: list[str] = []
+
+    async def one(reds_: list[int]) -> None:
+        await encoder.encode([image(r) for r in reds_])
+        outcomes.append(",".join(map(str, reds_)))
+
+    async with serving(encoder):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(one, [1])
+            await trio.sleep(0.1)  # image 1 is in the forward; the queue is empty
+            nursery.start_soon(one, [2, 3])
+            await trio.sleep(0.1)
+            assert encoder.queued_images == 2
+            with pytest.raises(Overloaded, match="queue is full"):
+                await encoder.encode([image(4), image(5)])
+            assert encoder.queued_images == 2
+            nursery.start_soon(one, [6])  # exactly fills the queue
+        assert events.rejections == [2]
+        assert encoder.queued_images == 0
+        await encoder.encode([image(4), image(5)])  # room again
+    assert sorted(outcomes) == ["1", "2,3", "6"]
+    assert 4 in backend.encoded
+
+
+async def test_a_request_larger_than_the_queue_is_invalid(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    encoder, _, _ = make(replace(SETTINGS, queue_size=2))
+    async with serving(encoder):
+        with pytest.raises(InvalidInput, match="at most 2"):
+            await encoder.encode([image(1), image(2), image(3)])
+        with pytest.raises(InvalidInput, match="at least one image"):
+            await encoder.encode([])
+
+
+async def test_cancelled_while_queued_is_removed_and_never_encoded(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    encoder, backend, _ = make(replace(SETTINGS, max_batch_size=1))
+    async with serving(encoder):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(encoder.encode, [image(1)])
+            await trio.sleep(0.1)  # image 1 is in the forward
+            with trio.move_on_after(0.3) as scope:
+                await encoder.encode([image(2), image(3)])
+            assert scope.cancelled_caught
+            assert encoder.queued_images == 0
+            nursery.start_soon(encoder.encode, [image(4)])
+        await trio.sleep(5)
+    assert backend.batches == [[1], [4]]
+
+
+async def test_cancelled_while_its_batch_runs_gets_nothing_and_harms_nobody(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    encoder, backend, _ = make()
+    results: list[Embedding] = []
+    async with serving(encoder), trio.open_nursery() as nursery:
+
+        async def sibling() -> None:
+            results.append(await encoder.encode([image(2)]))
+
+        nursery.start_soon(sibling)
+        with trio.move_on_after(0.5) as scope:  # the batch starts at 0.01
+            await encoder.encode([image(1)])
+        assert scope.cancelled_caught
+    assert [sorted(batch) for batch in backend.batches] == [[1, 2]]
+    assert [reds(e) for e in results] == [[2, 2]]
+    assert encoder.queued_images == 0
+
+
+async def test_cancelled_with_some_images_running_withdraws_the_rest(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    encoder, backend, _ = make(replace(SETTINGS, max_batch_size=2))
+    async with serving(encoder):
+        with trio.move_on_after(0.5):
+            await encoder.encode([image(r) for r in (1, 2, 3, 4)])
+        assert encoder.queued_images == 0
+        await trio.sleep(5)
+    assert backend.batches == [[1, 2]]
+
+
+async def test_model_failure_fails_every_request_in_the_batch(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    encoder, backend, events = make()
+    errors: list[EncodeFailed] = []
+
+    async def one(red: int) -> None:
+        try:
+            await encoder.encode([image(red)])
+        except EncodeFailed as exc:
+            errors.append(exc)
+
+    async with serving(encoder):
+        backend.fail = True
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(one, 1)
+            nursery.start_soon(one, 2)
+        assert len(errors) == 2
+        assert errors[0] is not errors[1]
+        assert all("out of cheese" in e.message for e in errors)
+        # The encoder keeps serving after a failed batch.
+        backend.fail = False
+        assert reds(await encoder.encode([image(3)])) == [3, 3]
+    assert events.batches == [(2, False), (1, True)]
+
+
+async def test_cached_requests_never_touch_the_queue_and_share_memory(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    encoder, backend, events = make(replace(SETTINGS, cache_bytes=1 << 20))
+    async with serving(encoder):
+        first = await encoder.encode([image(1)])
+        start = trio.current_time()
+        again = await encoder.encode([image(1)])
+        assert trio.current_time() == start  # no batch window, no forward
+        assert again.tensor is first.tensor
+        assert again.address == first.address
+        mixed = await encoder.encode([image(2), image(1)])
+    assert backend.batches == [[1], [2]]
+    assert reds(mixed) == [2, 2, 1, 1]
+    assert mixed.address != first.address  # several images: concatenated into new memory
+    assert events.lookups == [(0, 1), (1, 0), (1, 1)]
+    assert events.sizes[-1] == (2 * 2 * 3 * 4, 2)
+
+
+async def test_bad_image_is_invalid_input_and_leaves_nothing(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    encoder, backend, _ = make()
+    async with serving(encoder):
+        with pytest.raises(InvalidInput, match=r"mm_items\[1\]: the data is not a PNG"):
+            await encoder.encode([image(1), b"not an image"])
+        assert encoder.queued_images == 0
+    assert backend.batches == []
+
+
+async def test_load_items_names_the_bad_entry(autojump_clock: trio.testing.MockClock) -> None:
+    encoder, _, _ = make()
+    good = "data:image/png;base64,iVBORw0KGgo="
+    assert await encoder.load_items([good]) == [b"\x89PNG\r\n\x1a\n"]
+    with pytest.raises(InvalidInput, match=r"mm_items\[1\]: unsupported image type"):
+        await encoder.load_items([good, "data:image/gif;base64,R0lG"])
+
+
+async def test_not_running_is_overloaded_and_stopping_fails_waiters(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    encoder, backend, _ = make(replace(SETTINGS, max_batch_size=1))
+    with pytest.raises(Overloaded, match="not ready"):
+        await encoder.encode([image(1)])
+    errors: list[ShuttingDown] = []
+
+    async def one(red: int) -> None:
+        try:
+            await encoder.encode([image(red)])
+        except ShuttingDown as exc:
+            errors.append(exc)
+
+    async with trio.open_nursery() as outer, trio.open_nursery() as nursery:
+        await nursery.start(encoder.run)
+        outer.start_soon(one, 1)
+        await trio.sleep(0.1)
+        outer.start_soon(one, 2)
+        await trio.sleep(0.1)
+        assert encoder.ready
+        nursery.cancel_scope.cancel()  # image 1 is running, image 2 is queued
+    assert not encoder.ready
+    assert len(errors) == 2
+    assert encoder.queued_images == 0
+    with pytest.raises(ShuttingDown):
+        await encoder.encode([image(3)])
+    assert backend.batches == []
+
+
+async def test_warm_up_runs_before_ready(autojump_clock: trio.testing.MockClock) -> None:
+    encoder, backend, _ = make(replace(SETTINGS, warmup=True))
+    assert not encoder.ready
+    async with serving(encoder):
+        assert encoder.ready
+        assert backend.batches == [[0]]
+    info = encoder.info
+    assert (info.tokens_per_image, info.hidden_size, info.dtype) == (2, 3, "float32")
+    assert info.bytes_per_image == 2 * 3 * 4
