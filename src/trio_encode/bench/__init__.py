@@ -1,0 +1,1 @@
+"""Benchmarks that measure what the server adds on top of its parts."""

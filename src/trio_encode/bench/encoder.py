@@ -1,0 +1,214 @@
+"""How much of the model's raw throughput the batching encoder delivers, in one run.
+
+(a) the model's forward in a loop at batch size B; (b) :class:`ImageEncoder` under N concurrent
+clients sending distinct PNGs (cache off, so every image is decoded and encoded). The ratio
+served/raw is the cost of decoding, queueing and batching; a probe task sleeping 10 ms at a
+time shows whether the event loop stays responsive while the model runs.
+
+Run: ``python -m trio_encode.bench.encoder [--seconds 15] [--batch-size 8] [--concurrency 16]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import time
+from dataclasses import asdict, dataclass, replace
+
+import torch
+import trio
+from PIL import Image
+
+from trio_encode.encoder import EncoderSettings, ImageEncoder, VisionBackend, load_backend
+
+
+@dataclass(frozen=True)
+class EncoderBenchResult:
+    batch_size: int
+    concurrency: int
+    raw_images: int
+    raw_seconds: float
+    raw_spread: tuple[float, float]
+    """Raw images/s measured before and after the served phase (their gap shows the noise)."""
+    served_images: int
+    served_seconds: float
+    mean_served_batch: float
+    max_loop_lateness: float
+    """Worst delay, in seconds, of a 10 ms trio.sleep on the event loop while serving."""
+
+    @property
+    def raw_images_per_second(self) -> float:
+        return self.raw_images / self.raw_seconds
+
+    @property
+    def served_images_per_second(self) -> float:
+        return self.served_images / self.served_seconds
+
+    @property
+    def ratio(self) -> float:
+        return self.served_images_per_second / self.raw_images_per_second
+
+    def report(self) -> str:
+        return (
+            f"raw forward  B={self.batch_size}: {self.raw_images_per_second:8.2f} images/s "
+            f"({self.raw_images} images in {self.raw_seconds:.2f} s; before/after served: "
+            f"{self.raw_spread[0]:.2f}/{self.raw_spread[1]:.2f})\n"
+            f"served       N={self.concurrency}: {self.served_images_per_second:8.2f} images/s "
+            f"({self.served_images} images in {self.served_seconds:.2f} s, "
+            f"mean batch {self.mean_served_batch:.2f})\n"
+            f"served/raw: {self.ratio:.3f}\n"
+            f"event loop: worst lateness of a 10 ms sleep {self.max_loop_lateness * 1000:.1f} ms"
+        )
+
+
+class _BatchSizes:
+    """Observer that keeps the size of every batch."""
+
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
+
+    def batch_finished(self, images: int, forward_seconds: float, ok: bool) -> None:
+        self.sizes.append(images)
+
+    def queue_waited(self, seconds: float) -> None:
+        pass
+
+    def cache_looked_up(self, hits: int, misses: int) -> None:
+        pass
+
+    def cache_size(self, nbytes: int, entries: int) -> None:
+        pass
+
+    def rejected(self, images: int) -> None:
+        pass
+
+
+def _distinct_pngs(count: int, side: int) -> list[bytes]:
+    generator = torch.Generator().manual_seed(1234)
+    images = []
+    for _ in range(count):
+        array = torch.randint(0, 256, (side, side, 3), generator=generator, dtype=torch.uint8)
+        buffer = io.BytesIO()
+        Image.fromarray(array.numpy()).save(buffer, format="PNG")
+        images.append(buffer.getvalue())
+    return images
+
+
+def measure_raw(backend: VisionBackend, batch_size: int, batches: int) -> tuple[int, float]:
+    """Images and seconds for ``batches`` forwards at ``batch_size`` (after two warm-ups)."""
+    side = backend.preprocess.image_size
+    pixels = torch.randn(batch_size, 3, side, side, generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        backend.forward(pixels)
+    start = time.perf_counter()
+    for _ in range(batches):
+        backend.forward(pixels)
+    return batch_size * batches, time.perf_counter() - start
+
+
+async def measure_served(
+    backend: VisionBackend,
+    settings: EncoderSettings,
+    *,
+    concurrency: int,
+    seconds: float,
+) -> tuple[int, float, float, float]:
+    """Images served, seconds, mean batch size and worst event-loop lateness."""
+    sizes = _BatchSizes()
+    encoder = ImageEncoder(backend, settings, observer=sizes)
+    images = _distinct_pngs(concurrency, backend.preprocess.image_size)
+    done = 0
+    lateness = 0.0
+
+    async def client(data: bytes) -> None:
+        nonlocal done
+        while True:
+            await encoder.encode([data])
+            done += 1
+
+    async def probe() -> None:
+        nonlocal lateness
+        while True:
+            before = trio.current_time()
+            await trio.sleep(0.01)
+            lateness = max(lateness, trio.current_time() - before - 0.01)
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(encoder.run)
+        nursery.start_soon(probe)
+        start = trio.current_time()
+        for data in images:
+            nursery.start_soon(client, data)
+        await trio.sleep(seconds)
+        served, elapsed = done, trio.current_time() - start
+        nursery.cancel_scope.cancel()
+    mean_batch = sum(sizes.sizes[1:]) / max(1, len(sizes.sizes) - 1)  # [0] is the warm-up
+    return served, elapsed, mean_batch, lateness
+
+
+def run_encoder_bench(
+    settings: EncoderSettings | None = None,
+    *,
+    batch_size: int = 8,
+    concurrency: int = 16,
+    raw_batches: int = 3,
+    served_seconds: float = 15.0,
+) -> EncoderBenchResult:
+    """Measure raw and served throughput with one model instance (default: the built-in ViT).
+
+    The raw loop runs before and after the served phase, and the two are pooled, so a
+    neighbour's load that comes or goes during the run skews both sides alike.
+    """
+    base = settings if settings is not None else EncoderSettings()
+    settings = replace(
+        base,
+        cache_bytes=0,
+        max_batch_size=batch_size,
+        queue_size=max(base.queue_size, concurrency),
+        warmup=True,
+    )
+    backend = load_backend(settings)
+    before = measure_raw(backend, batch_size, raw_batches)
+    served, elapsed, mean_batch, lateness = trio.run(
+        lambda: measure_served(backend, settings, concurrency=concurrency, seconds=served_seconds)
+    )
+    after = measure_raw(backend, batch_size, raw_batches)
+    return EncoderBenchResult(
+        batch_size=batch_size,
+        concurrency=concurrency,
+        raw_images=before[0] + after[0],
+        raw_seconds=before[1] + after[1],
+        raw_spread=(before[0] / before[1], after[0] / after[1]),
+        served_images=served,
+        served_seconds=elapsed,
+        mean_served_batch=mean_batch,
+        max_loop_lateness=lateness,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--raw-batches", type=int, default=3)
+    parser.add_argument("--seconds", type=float, default=15.0, help="served phase length")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    parser.add_argument("--max-batch-wait", type=float, default=0.005)
+    args = parser.parse_args(argv)
+    settings = EncoderSettings(
+        dtype=args.dtype, torch_threads=args.threads, max_batch_wait=args.max_batch_wait
+    )
+    result = run_encoder_bench(
+        settings,
+        batch_size=args.batch_size,
+        concurrency=args.concurrency,
+        raw_batches=args.raw_batches,
+        served_seconds=args.seconds,
+    )
+    print(result.report())
+    print({**asdict(result), "ratio": round(result.ratio, 4)})
+
+
+if __name__ == "__main__":
+    main()
