@@ -6,7 +6,7 @@ import torch
 import trio
 
 from support.encoder import embedding_size, expected_embedding, image_uri
-from support.engines import TP, Fleet, fleet  # noqa: F401  (fixture)
+from support.engines import TP, Fleet, fleet_fixture  # noqa: F401  (the fixture)
 from support.harness import P, landing_pools, serving
 from trio_encode.client import LandingSlot, metric_value
 

@@ -34,8 +34,8 @@ async def _create_fleet() -> Fleet:
     return Fleet(server, tuple(ranks))
 
 
-@pytest.fixture(scope="session")
-def fleet() -> Fleet:
+@pytest.fixture(scope="session", name="fleet")
+def fleet_fixture() -> Fleet:
     """Created in a ``trio.run`` of its own, since trio fixtures cannot outlive one test."""
     return trio.run(_create_fleet)
 

@@ -12,8 +12,8 @@ import trio
 from trio_encode.client import EncodeClient, LandingPool, metric_value
 from trio_encode.engine import TransferEngine
 from trio_encode.server.serve import RunningServer, open_server
-from trio_encode.settings import ServerSettings
 from trio_encode.service import Encoder
+from trio_encode.settings import ServerSettings
 
 from .encoder import StandInEncoder
 from .engines import Fleet
@@ -33,10 +33,10 @@ class Harness:
     async def value(self, name: str, **labels: str) -> float:
         return metric_value(await self.metrics(), P + name, **labels)
 
-    async def settled(self, timeout: float = 5.0) -> str:
+    async def settled(self, within: float = 5.0) -> str:
         """/metrics once no scope and no registration is live (the last answer of a scope can
-        arrive a moment before the scope has released); fails after ``timeout``."""
-        with trio.move_on_after(timeout):
+        arrive a moment before the scope has released); fails after ``within`` seconds."""
+        with trio.move_on_after(within):
             while True:
                 text = await self.metrics()
                 if (

@@ -85,9 +85,9 @@ def parse_body(model: type[Body], raw: bytes) -> Body:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        raise InvalidInput(
-            _describe(exc), req_id=req_id if isinstance(req_id, str) and req_id else None
-        ) from None
+        # Echo the req_id only when it is itself valid: an id that is not cannot name a request.
+        valid_id = isinstance(req_id, str) and 1 <= len(req_id) <= 256
+        raise InvalidInput(_describe(exc), req_id=req_id if valid_id else None) from None
 
 
 def _describe(exc: ValidationError) -> str:

@@ -1,0 +1,278 @@
+"""The HTTP contract's error answers, one table row per way a client can get it wrong.
+
+Every row checks the status, the exact error shape, the message, the ``req_id`` echoed (null
+when the body could not be parsed), and that nothing is left behind: no scope, no
+registration. Rows that need a live request open it first and complete it afterwards, which
+also shows that the error did not break the request for the other ranks.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from support.encoder import embedding_size, image_uri
+from support.engines import DEAD_SESSION, Fleet, fleet_fixture  # noqa: F401  (the fixture)
+from support.harness import Harness, landing_pools, serving
+from trio_encode.client import LandingPool
+
+MAX_BODY = 64 * 1024
+GOOD_ITEM = image_uri(b"a good image" * 10)
+STRAY = torch.zeros(embedding_size(1), dtype=torch.uint8)  # memory no receiver registered
+
+
+@dataclass
+class Ctx:
+    harness: Harness
+    pools: list[LandingPool]
+
+    def send_body(self, req_id: str, rank: int = 0, **extra: Any) -> dict[str, Any]:
+        slot = self.pools[rank].allocate(embedding_size(1))
+        return {
+            "req_id": req_id,
+            "session_id": self.pools[rank].session_id,
+            "buffer_address": slot.address,
+            **extra,
+        }
+
+
+Body = bytes | dict[str, Any] | Callable[[Ctx], dict[str, Any]]
+
+
+@dataclass
+class Case:
+    id: str
+    route: str
+    body: Body
+    status: int
+    message: str
+    req_id: str | None
+    open: dict[str, int] = field(default_factory=dict)
+    """req_id -> receive_count: requests encoded before the call and completed after it."""
+    complete_first: bool = False
+    """Complete the opened requests before the call (to test a released req_id)."""
+
+
+def encode(req_id: str | None = "r", **fields: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {"mm_items": [GOOD_ITEM], **fields}
+    if req_id is not None:
+        body["req_id"] = req_id
+    return body
+
+
+CASES = [
+    Case("malformed-json", "/encode", b'{"req_id": "r", ', 400, "not valid JSON", None),
+    Case("empty-body", "/encode", b"", 400, "not valid JSON", None),
+    Case("not-an-object", "/send", b'["r"]', 400, "JSON object", None),
+    Case("not-utf8", "/encode", b"\xff\xfe{}", 400, "not valid JSON", None),
+    Case("missing-req-id", "/encode", encode(None), 400, "req_id: Field required", None),
+    Case("req-id-not-a-string", "/encode", encode(7), 400, "req_id", None),  # type: ignore[arg-type]
+    Case("req-id-empty", "/encode", encode(""), 400, "req_id", None),
+    Case("req-id-too-long", "/encode", encode("x" * 257), 400, "at most 256", None),
+    Case("missing-mm-items", "/encode", {"req_id": "r"}, 400, "mm_items: Field required", "r"),
+    Case("mm-items-empty", "/encode", encode(mm_items=[]), 400, "mm_items", "r"),
+    Case("mm-items-not-strings", "/encode", encode(mm_items=[1]), 400, "mm_items.0", "r"),
+    Case("mm-item-garbage", "/encode", encode(mm_items=["hello"]), 400, "mm_items[0]", "r"),
+    Case(
+        "mm-item-bad-base64",
+        "/encode",
+        encode(mm_items=["data:image/png;base64,@@@"]),
+        400,
+        "base64",
+        "r",
+    ),
+    Case("receive-count-zero", "/encode", encode(receive_count=0), 400, "receive_count", "r"),
+    Case("receive-count-string", "/encode", encode(receive_count="4"), 400, "receive_count", "r"),
+    Case("modality-video", "/encode", encode(modality="VIDEO"), 400, "only IMAGE", "r"),
+    Case(
+        "body-too-large",
+        "/encode",
+        encode(mm_items=[image_uri(b"x" * MAX_BODY)]),
+        413,
+        "larger than",
+        None,
+    ),
+    Case(
+        "send-missing-address",
+        "/send",
+        {"req_id": "r", "session_id": "h:1"},
+        400,
+        "buffer_address",
+        "r",
+    ),
+    Case(
+        "send-address-zero",
+        "/send",
+        {"req_id": "r", "session_id": "h:1", "buffer_address": 0},
+        400,
+        "buffer_address",
+        "r",
+    ),
+    Case(
+        "send-address-string",
+        "/send",
+        {"req_id": "r", "session_id": "h:1", "buffer_address": "0x10"},
+        400,
+        "buffer_address",
+        "r",
+    ),
+    Case(
+        "send-session-no-port",
+        "/send",
+        {"req_id": "r", "session_id": "localhost", "buffer_address": 4096},
+        400,
+        "host:port",
+        "r",
+    ),
+    Case(
+        "send-session-port-out-of-range",
+        "/send",
+        {"req_id": "r", "session_id": "127.0.0.1:70000", "buffer_address": 4096},
+        400,
+        "host:port",
+        "r",
+    ),
+    Case(
+        "send-unknown-req-id", "/send", lambda c: c.send_body("nobody"), 404, "no /encode", "nobody"
+    ),
+    Case(
+        "send-released-req-id",
+        "/send",
+        lambda c: c.send_body("done"),
+        410,
+        "released",
+        "done",
+        open={"done": 1},
+        complete_first=True,
+    ),
+    Case(
+        "encode-released-req-id",
+        "/encode",
+        encode("done"),
+        410,
+        "released",
+        "done",
+        open={"done": 1},
+        complete_first=True,
+    ),
+    Case(
+        "send-dead-session",
+        "/send",
+        lambda c: {**c.send_body("live"), "session_id": DEAD_SESSION},
+        502,
+        "transfer failed with code -1",
+        "live",
+        open={"live": 1},
+    ),
+    Case(
+        "send-unregistered-buffer",
+        "/send",
+        lambda c: {**c.send_body("live"), "buffer_address": STRAY.data_ptr()},
+        502,
+        "transfer failed with code -1",
+        "live",
+        open={"live": 2},
+    ),
+    Case(
+        "send-conflicting-receive-count",
+        "/send",
+        lambda c: c.send_body("live", receive_count=3),
+        409,
+        "conflicts with 2",
+        "live",
+        open={"live": 2},
+    ),
+    Case(
+        "encode-conflicting-receive-count",
+        "/encode",
+        encode("live", receive_count=3),
+        409,
+        "conflicts with 2",
+        "live",
+        open={"live": 2},
+    ),
+    Case(
+        "encoder-fails", "/encode", encode("f", mm_items=[image_uri(b"FAIL")]), 500, "failed", "f"
+    ),
+]
+
+
+async def _complete(ctx: Ctx, req_id: str, receive_count: int) -> None:
+    for rank in range(receive_count):
+        sent = await ctx.harness.client.send(**ctx.send_body(req_id, rank))
+        assert sent.receivers_done == rank + 1
+
+
+async def _post(harness: Harness, route: str, body: bytes | dict[str, Any]) -> httpx.Response:
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    async with httpx.AsyncClient(base_url=harness.running.url) as http:
+        return await http.post(route, content=raw, headers={"Content-Type": "application/json"})
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
+async def test_bad_input_gets_a_contract_error_and_leaves_nothing(fleet: Fleet, case: Case) -> None:
+    async with (
+        serving(fleet.server, max_body_bytes=MAX_BODY) as harness,
+        landing_pools(fleet, 16 * embedding_size(1)) as pools,
+    ):
+        ctx = Ctx(harness, pools)
+        for req_id, receive_count in case.open.items():
+            await harness.client.encode(req_id, [GOOD_ITEM], receive_count=receive_count)
+            if case.complete_first:
+                await _complete(ctx, req_id, receive_count)
+        body = case.body(ctx) if callable(case.body) else case.body
+
+        response = await _post(harness, case.route, body)
+
+        assert response.status_code == case.status, response.text
+        answer = response.json()
+        assert set(answer) == {"status", "message", "req_id"}
+        assert answer["status"] == "error"
+        assert case.message in answer["message"]
+        assert "Traceback" not in answer["message"]
+        assert answer["req_id"] == case.req_id
+        if not case.complete_first:
+            for req_id, receive_count in case.open.items():
+                await _complete(ctx, req_id, receive_count)
+        text = await harness.settled()
+        assert f'route="{case.route}",status="{case.status}"' in text
+
+
+async def test_routes_outside_the_contract_answer_in_its_error_shape(fleet: Fleet) -> None:
+    async with (
+        serving(fleet.server) as harness,
+        httpx.AsyncClient(base_url=harness.running.url) as http,
+    ):
+        missing = await http.get("/nope")
+        wrong_method = await http.get("/encode")
+        assert (missing.status_code, wrong_method.status_code) == (404, 405)
+        for response in (missing, wrong_method):
+            assert response.json()["status"] == "error"
+            assert response.json()["req_id"] is None
+
+
+async def test_a_token_guards_encode_and_send_but_not_health_or_metrics(fleet: Fleet) -> None:
+    async with (
+        serving(fleet.server, token="s3cret", shutdown_grace=0.1) as harness,
+        httpx.AsyncClient(base_url=harness.running.url) as http,
+    ):
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            response = await http.post("/encode", json=encode(), headers=headers)
+            assert response.status_code == 401
+            assert response.json() == {
+                "status": "error",
+                "message": "missing or wrong bearer token (Authorization: Bearer ...)",
+                "req_id": None,
+            }
+        assert (await http.get("/health")).status_code == 200
+        assert (await http.get("/metrics")).status_code == 200
+        encoded = await harness.client.encode("authed", [GOOD_ITEM])  # the client has the token
+        assert encoded.receive_count == 1
+        await harness.running.service.shutdown()  # ends the open scope: nothing is left
+        assert harness.running.service.ledger.live_registrations == 0
