@@ -179,12 +179,18 @@ async def lifecycle_rig(
     )
     observer = RecordingObserver()
     ledger = RegistrationLedger(sender, observer)
-    async with trio.open_nursery() as nursery:
-        registry = ScopeRegistry(
-            nursery, engine=sender, ledger=ledger, send_timeout=send_timeout, observer=observer
-        )
-        yield Rig(fabric, sender, ledger, registry, observer, nursery)
-        nursery.cancel_scope.cancel()
+    # Every test gets a virtual hour: on the mock clock a deadlock jumps here and fails fast.
+    with trio.fail_after(3600):
+        async with trio.open_nursery() as nursery:
+            registry = ScopeRegistry(
+                nursery,
+                engine=sender,
+                ledger=ledger,
+                send_timeout=send_timeout,
+                observer=observer,
+            )
+            yield Rig(fabric, sender, ledger, registry, observer, nursery)
+            nursery.cancel_scope.cancel()
 
 
 async def gather_sends(rig: Rig, req_id: str, receivers: list[Receiver]) -> list[object]:

@@ -73,6 +73,7 @@ async def test_embedding_is_dropped_only_after_deregistration(
         await rig.open("r1", encode, receive_count=2)
         fast, slow = await rig.landings(2)
         rig.sender.script_latency("transfer", [0.1, 5.0])
+        rig.sender.script_latency("deregister", [1.0])  # so "before" and "after" differ
         dropped_at: list[float] = []
 
         def note_drop() -> None:
@@ -251,7 +252,8 @@ async def test_failed_encode_answers_every_waiting_sender(
     """Invariant 4, story 8: a failed encode must not leave sibling sends waiting for the
     backstop; they all get the encoder's error at once, and so do later calls."""
     async with lifecycle_rig(send_timeout=180) as rig:
-        encode = rig.failing_encoder("the vision tower ran out of memory")
+        encode = rig.failing_encoder()
+        encode.error = RuntimeError("the vision tower ran out of memory")  # a model crash
         encode.latency = 2.0
         await rig.open("r1", encode, receive_count=3)
         ranks = await rig.landings(3)
@@ -511,3 +513,22 @@ async def test_after_every_scope_ends_nothing_is_held(
         assert any(isinstance(o, EncodeFailed) for o in outcomes)
         assert any(isinstance(o, ShuttingDown) for o in outcomes)
         await rig.assert_nothing_held()
+
+
+async def test_cancelling_the_service_nursery_still_deregisters(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Invariants 2 and 8: when the whole service is cancelled (not a graceful shutdown), the
+    scope's cleanup still runs to the end: it is shielded, so the deregistration is not
+    cancelled before it starts."""
+    async with lifecycle_rig() as rig:
+        encode, alive = rig.encoder("r1", seed=17)
+        await rig.open("r1", encode, receive_count=2)
+        a, _ = await rig.landings(2)
+        rig.sender.script_latency("deregister", [2.0])
+        await rig.registry.lookup("r1").send(a.receiver)
+        assert rig.ledger.live_registrations == 1
+        rig.nursery.cancel_scope.cancel()
+    assert rig.sender.live_registrations == {}
+    assert rig.sender.count("deregister", ok=True) == 1
+    assert alive() is None
