@@ -162,3 +162,21 @@ async def open_server(
             yield running
         finally:
             running.stop()
+
+
+async def run_server(settings: ServerSettings) -> ShutdownReport:
+    """What ``trio-encode serve`` runs: a Mooncake engine, the image encoder, the server,
+    stopped gracefully by SIGINT or SIGTERM."""
+    from trio_encode.encoder import ImageEncoder
+    from trio_encode.engine.mooncake import MooncakeEngine
+
+    engine = await MooncakeEngine.create(settings.engine)
+    log.info("transfer engine ready at %s", engine.session_id)
+    metrics = Metrics()
+    encoder = await trio.to_thread.run_sync(
+        partial(ImageEncoder.from_settings, settings.encoder_settings(), observer=metrics)
+    )
+    log.info("encoder loaded: %s", encoder.info.model_id)
+    return await serve(
+        settings, engine=engine, encoder=encoder, metrics=metrics, handle_signals=True
+    )
