@@ -48,11 +48,13 @@ async def test_sibling_sends_register_once(autojump_clock: trio.testing.MockCloc
                 results.extend(await gather_sends(rig, "r1", [r.receiver for r in ranks]))
 
             nursery.start_soon(run)
-            # Force the race: every sibling has arrived while the one registration is held.
-            await gate.wait_arrivals(1)
-            await trio.testing.wait_all_tasks_blocked()
-            assert gate.waiting == 1
-            gate.open()
+            try:
+                # Force the race: every sibling has arrived while the one registration is held.
+                await gate.wait_arrivals(1)
+                await trio.testing.wait_all_tasks_blocked()
+                assert gate.waiting == 1
+            finally:
+                gate.open()
         await scope.wait_ended()
 
         assert all(isinstance(r, SendReport) for r in results), results
@@ -311,12 +313,15 @@ async def test_two_requests_sharing_memory_register_it_once(
         gate = rig.sender.gate("transfer")
 
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(gather_sends, rig, "a", [ra.receiver])
-            await gate.wait_arrivals(1)  # a is mid-transfer, holding the registration
-            nursery.start_soon(gather_sends, rig, "b", [rb.receiver])
-            await gate.wait_arrivals(2)  # b got past registration without a second register
-            assert rig.sender.count("register") == 1
-            gate.open()
+            try:
+                nursery.start_soon(gather_sends, rig, "a", [ra.receiver])
+                await gate.wait_arrivals(1)  # a is mid-transfer, holding the registration
+                nursery.start_soon(gather_sends, rig, "b", [rb.receiver])
+                with trio.fail_after(60):  # b gets past registration with no second register
+                    await gate.wait_arrivals(2)
+                assert rig.sender.count("register") == 1
+            finally:
+                gate.open()  # a held "thread" must never outlive a failed assertion
 
         assert rig.sender.count("register") == rig.sender.count("deregister") == 1
         assert ra.landed(NBYTES) == rb.landed(NBYTES) == rig.expected["a"]
@@ -346,13 +351,16 @@ async def test_views_of_one_batch_output_never_register_the_same_bytes_twice(
         gate = rig.sender.gate("transfer")  # hold every transfer: all regions live at once
 
         async with trio.open_nursery() as nursery:
-            for req_id, landing in landings.items():
-                nursery.start_soon(gather_sends, rig, req_id, [landing.receiver])
-                await gate.wait_arrivals(len(rig.sender.calls("transfer")) + 1)
-            registers = rig.sender.calls("register")
-            assert [call.ok for call in registers] == [True, True, True]
-            assert rig.ledger.live_registrations == 3
-            gate.open()
+            try:
+                for req_id, landing in landings.items():
+                    nursery.start_soon(gather_sends, rig, req_id, [landing.receiver])
+                    with trio.fail_after(60):
+                        await gate.wait_arrivals(len(rig.sender.calls("transfer")) + 1)
+                registers = rig.sender.calls("register")
+                assert [call.ok for call in registers] == [True, True, True]
+                assert rig.ledger.live_registrations == 3
+            finally:
+                gate.open()
 
         for req_id, landing in landings.items():
             size = len(rig.expected[req_id])
