@@ -1,0 +1,133 @@
+"""``trio-encode``: settings from flags and ``TRIO_ENCODE_*`` variables, a real ``serve``
+stopped by SIGTERM, and the demo."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+
+import httpx
+import pytest
+from click.testing import CliRunner
+
+import trio_encode.server.serve
+from trio_encode.cli import cli
+from trio_encode.service import ShutdownReport
+from trio_encode.settings import ServerSettings
+
+SETTINGS = {
+    "--host": "TRIO_ENCODE_HOST",
+    "--port": "TRIO_ENCODE_PORT",
+    "--send-timeout": "TRIO_ENCODE_SEND_TIMEOUT",
+    "--shutdown-grace": "TRIO_ENCODE_SHUTDOWN_GRACE",
+    "--max-body-bytes": "TRIO_ENCODE_MAX_BODY_BYTES",
+    "--token": "TRIO_ENCODE_TOKEN",
+    "--media-dir": "TRIO_ENCODE_MEDIA_DIR",
+    "--engine-protocol": "TRIO_ENCODE_ENGINE_PROTOCOL",
+    "--engine-metadata-server": "TRIO_ENCODE_ENGINE_METADATA_SERVER",
+    "--engine-device": "TRIO_ENCODE_ENGINE_DEVICE",
+    "--engine-hostname": "TRIO_ENCODE_ENGINE_HOSTNAME",
+    "--log-level": "TRIO_ENCODE_LOG_LEVEL",
+}
+
+
+def test_serve_help_names_every_setting_and_its_variable() -> None:
+    result = CliRunner().invoke(cli, ["serve", "--help"], terminal_width=200)
+    assert result.exit_code == 0
+    for flag, variable in SETTINGS.items():
+        assert flag in result.output
+        assert variable in result.output
+
+
+@pytest.fixture
+def captured(monkeypatch: pytest.MonkeyPatch) -> list[ServerSettings]:
+    """Replaces the server with one that records its settings and stops at once."""
+    seen: list[ServerSettings] = []
+
+    async def fake_run_server(settings: ServerSettings) -> ShutdownReport:
+        seen.append(settings)
+        return ShutdownReport(finished=0, cut_short=0)
+
+    monkeypatch.setattr(trio_encode.server.serve, "run_server", fake_run_server)
+    return seen
+
+
+def test_the_flag_wins_over_the_variable_and_the_variable_over_the_default(
+    captured: list[ServerSettings],
+) -> None:
+    env = {
+        "TRIO_ENCODE_PORT": "9001",
+        "TRIO_ENCODE_SEND_TIMEOUT": "2.5",
+        "TRIO_ENCODE_ENGINE_PROTOCOL": "rdma",
+    }
+    result = CliRunner().invoke(cli, ["serve", "--port", "9002"], env=env)
+    assert result.exit_code == 0, result.output
+    (settings,) = captured
+    assert settings.port == 9002  # flag
+    assert settings.send_timeout == 2.5  # variable
+    assert settings.engine.protocol == "rdma"
+    assert settings.host == "127.0.0.1"  # default
+    assert settings.engine.metadata_server == "P2PHANDSHAKE"
+    assert "0 cut short" in result.output
+
+
+def test_a_bad_setting_is_refused_with_the_reason(captured: list[ServerSettings]) -> None:
+    result = CliRunner().invoke(cli, ["serve", "--send-timeout", "0"])
+    assert result.exit_code == 2
+    assert "--send-timeout" in result.output
+    assert not captured
+
+
+def _serve(*args: str, **env: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "trio_encode.cli", "serve", *args],
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **env},
+    )
+
+
+def test_serve_on_port_0_logs_its_port_and_stops_cleanly_on_sigterm() -> None:
+    process = _serve("--port", "0", "--shutdown-grace", "1", TRIO_ENCODE_LOG_FORMAT="kv")
+    lines: list[str] = []
+    try:
+        assert process.stderr is not None
+        url = None
+        for line in process.stderr:
+            lines.append(line)
+            match = re.search(r"serving on (http://127\.0\.0\.1:\d+)", line)
+            if match:
+                url = match[1]
+                break
+        assert url is not None, "".join(lines)
+        drain = threading.Thread(target=lambda: lines.extend(process.stderr or []), daemon=True)
+        drain.start()
+        health = httpx.get(url + "/health", timeout=10)
+        assert health.status_code == 200
+        assert health.json()["status"] == "ok"
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+        drain.join(timeout=5)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    output = "".join(lines)
+    assert "received SIGTERM" in output
+    assert "0 cut short" in output
+
+
+def test_demo_moves_and_checks_every_byte() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "trio_encode.cli", "demo", "--requests", "3", "--images", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert "OK: every byte checked" in result.stdout
+    assert "registrations made 3, released 3, live at the end 0" in result.stdout
