@@ -42,3 +42,11 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "check", "src", "tests", "noxfile.py")
     session.run("ruff", "format", "--check", "src", "tests", "noxfile.py")
     session.run("mypy")
+
+
+@nox.session(python=PYTHON)
+def mutants(session: nox.Session) -> None:
+    """Re-create the brief's bugs one at a time in a copy of the package; the scope tests must
+    fail for each (proves every lifecycle rule has a test that would catch its loss)."""
+    _install(session, "group:tests")
+    session.run("python", "tests/mutants.py", env={"GLOG_minloglevel": "2"})
