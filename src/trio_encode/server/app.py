@@ -12,6 +12,7 @@ neither route reveals request data or changes state.
 from __future__ import annotations
 
 import hmac
+import logging
 from typing import Any
 
 from quart import Response, g, jsonify, request
@@ -31,6 +32,8 @@ from trio_encode.service import EncodeService
 from trio_encode.settings import ServerSettings
 
 _PROTECTED = frozenset({"/encode", "/send"})
+
+log = logging.getLogger(__name__)
 
 
 def create_app(service: EncodeService, metrics: Metrics, settings: ServerSettings) -> Any:
@@ -53,6 +56,7 @@ def create_app(service: EncodeService, metrics: Metrics, settings: ServerSetting
     async def count(response: Response) -> Response:
         route = request.url_rule.rule if request.url_rule is not None else "other"
         metrics.request_answered(route, response.status_code)
+        log.debug("%s answered %d", route, response.status_code, extra={"req_id": g.get("req_id")})
         return response
 
     @app.post("/encode")

@@ -1,0 +1,49 @@
+"""Log lines: one per event, with the request's id on every line about a request."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+from collections.abc import Iterator
+
+import pytest
+
+from trio_encode.logs import setup_logging
+
+
+@pytest.fixture
+def restore_root_logger() -> Iterator[None]:
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+@pytest.mark.usefixtures("restore_root_logger")
+def test_key_value_lines_carry_the_req_id_and_keep_tracebacks_on_one_line() -> None:
+    stream = io.StringIO()
+    setup_logging("INFO", "kv", stream)
+    log = logging.getLogger("trio_encode.test")
+    log.info("scope opened", extra={"req_id": "r-1"})
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        log.exception("send failed", extra={"req_id": "r 2"})
+    log.debug("hidden")
+    first, second = stream.getvalue().splitlines()
+    assert 'msg="scope opened" req_id=r-1' in first
+    assert 'req_id="r 2"' in second
+    assert "exc=" in second
+    assert "ValueError: boom" in second
+
+
+@pytest.mark.usefixtures("restore_root_logger")
+def test_json_lines_parse_one_per_event() -> None:
+    stream = io.StringIO()
+    setup_logging("DEBUG", "json", stream)
+    logging.getLogger("trio_encode.test").warning("expired", extra={"req_id": "r"})
+    (line,) = stream.getvalue().splitlines()
+    record = json.loads(line)
+    assert (record["level"], record["msg"], record["req_id"]) == ("WARNING", "expired", "r")

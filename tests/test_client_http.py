@@ -1,0 +1,59 @@
+"""The HTTP client maps every contract error to a typed exception with the facts in it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from support.encoder import embedding_size, image_uri
+from support.engines import DEAD_SESSION, Fleet, fleet_fixture  # noqa: F401  (the fixture)
+from support.harness import landing_pools, serving
+from trio_encode.client import EncodeClient, RequestRejected, TransferFailed
+from trio_encode.errors import InvalidInput, ReceiveCountConflict, UnknownRequest
+
+ITEM = image_uri(b"client image")
+
+
+async def test_errors_come_back_typed_with_status_message_and_req_id(fleet: Fleet) -> None:
+    stray = torch.zeros(embedding_size(1), dtype=torch.uint8)
+    async with (
+        serving(fleet.server, max_body_bytes=4096, shutdown_grace=0.1) as harness,
+        landing_pools(fleet, 2 * embedding_size(1)) as pools,
+    ):
+        client = harness.client
+        with pytest.raises(InvalidInput) as bad:
+            await client.encode("c", ["not an image"])
+        assert (bad.value.status, bad.value.req_id) == (400, "c")  # type: ignore[attr-defined]
+        with pytest.raises(UnknownRequest):
+            await client.send("nobody", pools[0].session_id, pools[0].address)
+        with pytest.raises(RequestRejected) as too_big:
+            await client.encode("c", [image_uri(b"x" * 8192)])
+        assert too_big.value.status == 413  # type: ignore[attr-defined]
+
+        encoded = await client.encode("c", [ITEM], receive_count=1, prefill_host="p0")
+        assert encoded.body["prefill_host"] == "p0"
+        with pytest.raises(ReceiveCountConflict):
+            await client.send("c", pools[0].session_id, pools[0].address, receive_count=2)
+        for session_id, address in (
+            (DEAD_SESSION, pools[0].address),
+            (pools[0].session_id, stray.data_ptr()),
+        ):
+            with pytest.raises(TransferFailed) as failed:
+                await client.send("c", session_id, address)
+            assert (failed.value.code, failed.value.req_id) == (-1, "c")
+        sent = await client.send("c", pools[0].session_id, pools[0].address)
+        assert sent.receivers_done == 1
+        await harness.settled()
+        text = await harness.metrics()
+        assert 'trio_encode_engine_errors_total{call="transfer",code="-1"} 2.0' in text
+
+        async with EncodeClient(harness.running.url, token="unneeded") as other:
+            assert await other.health()
+
+
+async def test_a_token_the_server_does_not_share_is_rejected(fleet: Fleet) -> None:
+    async with serving(fleet.server, token="right") as harness:
+        async with EncodeClient(harness.running.url, token="wrong") as client:
+            with pytest.raises(RequestRejected) as rejected:
+                await client.encode("t", [ITEM])
+        assert rejected.value.status == 401  # type: ignore[attr-defined]
