@@ -5,7 +5,8 @@ clients sending distinct PNGs (cache off, so every image is decoded and encoded)
 served/raw is the cost of decoding, queueing and batching; a probe task sleeping 10 ms at a
 time shows whether the event loop stays responsive while the model runs.
 
-Run: ``python -m trio_encode.bench.encoder [--seconds 15] [--batch-size 8] [--concurrency 16]``.
+Run: ``python -m trio_encode.bench.encoder [--seconds 15] [--batch-size 8] [--concurrency 16]``
+(about 30 s with the defaults on 2 CPU cores).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import argparse
 import io
 import time
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 
 import torch
 import trio
@@ -29,12 +31,13 @@ class EncoderBenchResult:
     raw_images: int
     raw_seconds: float
     raw_spread: tuple[float, float]
-    """Raw images/s measured before and after the served phase (their gap shows the noise)."""
+    """Slowest and fastest raw images/s over the rounds (their gap shows the noise)."""
     served_images: int
     served_seconds: float
     mean_served_batch: float
     max_loop_lateness: float
     """Worst delay, in seconds, of a 10 ms trio.sleep on the event loop while serving."""
+    p99_loop_lateness: float
 
     @property
     def raw_images_per_second(self) -> float:
@@ -51,13 +54,14 @@ class EncoderBenchResult:
     def report(self) -> str:
         return (
             f"raw forward  B={self.batch_size}: {self.raw_images_per_second:8.2f} images/s "
-            f"({self.raw_images} images in {self.raw_seconds:.2f} s; before/after served: "
-            f"{self.raw_spread[0]:.2f}/{self.raw_spread[1]:.2f})\n"
+            f"({self.raw_images} images in {self.raw_seconds:.2f} s; rounds ranged "
+            f"{self.raw_spread[0]:.2f}..{self.raw_spread[1]:.2f})\n"
             f"served       N={self.concurrency}: {self.served_images_per_second:8.2f} images/s "
             f"({self.served_images} images in {self.served_seconds:.2f} s, "
             f"mean batch {self.mean_served_batch:.2f})\n"
             f"served/raw: {self.ratio:.3f}\n"
-            f"event loop: worst lateness of a 10 ms sleep {self.max_loop_lateness * 1000:.1f} ms"
+            f"event loop: lateness of a 10 ms sleep: worst {self.max_loop_lateness * 1000:.1f} ms, "
+            f"p99 {self.p99_loop_lateness * 1000:.1f} ms"
         )
 
 
@@ -112,13 +116,13 @@ async def measure_served(
     *,
     concurrency: int,
     seconds: float,
-) -> tuple[int, float, float, float]:
-    """Images served, seconds, mean batch size and worst event-loop lateness."""
+) -> tuple[int, float, list[int], list[float]]:
+    """Images served, seconds, the batch sizes, and every event-loop lateness seen."""
     sizes = _BatchSizes()
     encoder = ImageEncoder(backend, settings, observer=sizes)
     images = _distinct_pngs(concurrency, backend.preprocess.image_size)
     done = 0
-    lateness = 0.0
+    lateness: list[float] = []
 
     async def client(data: bytes) -> None:
         nonlocal done
@@ -127,11 +131,10 @@ async def measure_served(
             done += 1
 
     async def probe() -> None:
-        nonlocal lateness
         while True:
             before = trio.current_time()
             await trio.sleep(0.01)
-            lateness = max(lateness, trio.current_time() - before - 0.01)
+            lateness.append(trio.current_time() - before - 0.01)
 
     async with trio.open_nursery() as nursery:
         await nursery.start(encoder.run)
@@ -142,8 +145,7 @@ async def measure_served(
         await trio.sleep(seconds)
         served, elapsed = done, trio.current_time() - start
         nursery.cancel_scope.cancel()
-    mean_batch = sum(sizes.sizes[1:]) / max(1, len(sizes.sizes) - 1)  # [0] is the warm-up
-    return served, elapsed, mean_batch, lateness
+    return served, elapsed, sizes.sizes[1:], lateness  # sizes[0] is the warm-up
 
 
 def run_encoder_bench(
@@ -151,13 +153,14 @@ def run_encoder_bench(
     *,
     batch_size: int = 8,
     concurrency: int = 16,
-    raw_batches: int = 3,
+    raw_batches: int = 2,
     served_seconds: float = 15.0,
+    rounds: int = 3,
 ) -> EncoderBenchResult:
     """Measure raw and served throughput with one model instance (default: the built-in ViT).
 
-    The raw loop runs before and after the served phase, and the two are pooled, so a
-    neighbour's load that comes or goes during the run skews both sides alike.
+    Raw and served phases alternate for ``rounds`` rounds (``served_seconds`` in all) and are
+    pooled, so load from a neighbour that comes or goes during the run skews both alike.
     """
     base = settings if settings is not None else EncoderSettings()
     settings = replace(
@@ -168,21 +171,35 @@ def run_encoder_bench(
         warmup=True,
     )
     backend = load_backend(settings)
-    before = measure_raw(backend, batch_size, raw_batches)
-    served, elapsed, mean_batch, lateness = trio.run(
-        lambda: measure_served(backend, settings, concurrency=concurrency, seconds=served_seconds)
-    )
-    after = measure_raw(backend, batch_size, raw_batches)
+    raw_images, raw_seconds, raw_rates = 0, 0.0, []
+    served, elapsed, batches, lateness = 0, 0.0, [], []
+    for _ in range(rounds):
+        images, seconds = measure_raw(backend, batch_size, raw_batches)
+        raw_images, raw_seconds = raw_images + images, raw_seconds + seconds
+        raw_rates.append(images / seconds)
+        round_result = trio.run(
+            partial(
+                measure_served,
+                backend,
+                settings,
+                concurrency=concurrency,
+                seconds=served_seconds / rounds,
+            )
+        )
+        served, elapsed = served + round_result[0], elapsed + round_result[1]
+        batches += round_result[2]
+        lateness += round_result[3]
     return EncoderBenchResult(
         batch_size=batch_size,
         concurrency=concurrency,
-        raw_images=before[0] + after[0],
-        raw_seconds=before[1] + after[1],
-        raw_spread=(before[0] / before[1], after[0] / after[1]),
+        raw_images=raw_images,
+        raw_seconds=raw_seconds,
+        raw_spread=(min(raw_rates), max(raw_rates)),
         served_images=served,
         served_seconds=elapsed,
-        mean_served_batch=mean_batch,
-        max_loop_lateness=lateness,
+        mean_served_batch=sum(batches) / max(1, len(batches)),
+        max_loop_lateness=max(lateness, default=0.0),
+        p99_loop_lateness=sorted(lateness)[int(0.99 * (len(lateness) - 1))] if lateness else 0.0,
     )
 
 
@@ -190,8 +207,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--raw-batches", type=int, default=3)
-    parser.add_argument("--seconds", type=float, default=15.0, help="served phase length")
+    parser.add_argument("--raw-batches", type=int, default=2, help="raw batches per round")
+    parser.add_argument("--seconds", type=float, default=15.0, help="served time, all rounds")
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     parser.add_argument("--max-batch-wait", type=float, default=0.005)
@@ -205,6 +223,7 @@ def main(argv: list[str] | None = None) -> None:
         concurrency=args.concurrency,
         raw_batches=args.raw_batches,
         served_seconds=args.seconds,
+        rounds=args.rounds,
     )
     print(result.report())
     print({**asdict(result), "ratio": round(result.ratio, 4)})
