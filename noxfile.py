@@ -31,14 +31,14 @@ def _install(session: nox.Session, *extras_and_groups: str) -> None:
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
     """The test suite, against the real Mooncake engine (TCP on loopback) and the mock clock."""
-    _install(session, "mooncake", "group:tests")
+    _install(session, "mooncake", "hf", "group:tests")
     session.run("pytest", *session.posargs, env={"GLOG_minloglevel": "2"})
 
 
 @nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
     """ruff (check and format) and strict mypy over the package."""
-    _install(session, "mooncake", "group:lint")
+    _install(session, "mooncake", "hf", "group:lint")
     session.run("ruff", "check", "src", "tests", "noxfile.py")
     session.run("ruff", "format", "--check", "src", "tests", "noxfile.py")
     session.run("mypy")
