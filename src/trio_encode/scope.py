@@ -107,6 +107,8 @@ class _Attempt:
     waiters: int = 0
     transferring: bool = False
     succeeded: bool = False
+    receivers_done: int = 0
+    """Distinct receivers done when this send completed (later ones may finish first)."""
     error: Exception | None = None
 
 
@@ -208,7 +210,7 @@ class RequestScope:
         if attempt.error is not None:
             raise attempt.error
         assert self.shape is not None
-        return SendReport(self.shape, len(self._done), self.receive_count)
+        return SendReport(self.shape, attempt.receivers_done, self.receive_count)
 
     async def wait_ended(self) -> None:
         """Return once the scope has released everything."""
@@ -283,6 +285,7 @@ class RequestScope:
             attempt.succeeded = True
             self._observer.transfer_finished(self.req_id, nbytes, trio.current_time() - started)
             self._done.add(attempt.receiver)
+            attempt.receivers_done = len(self._done)
             if len(self._done) >= self.receive_count:
                 self._finish("completed")
         except EngineError as exc:
