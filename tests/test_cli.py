@@ -16,6 +16,7 @@ from click.testing import CliRunner
 
 import trio_encode.server.serve
 from trio_encode.cli import cli
+from trio_encode.encoder import EncoderSettings
 from trio_encode.service import ShutdownReport
 from trio_encode.settings import ServerSettings
 
@@ -32,6 +33,25 @@ SETTINGS = {
     "--engine-device": "TRIO_ENCODE_ENGINE_DEVICE",
     "--engine-hostname": "TRIO_ENCODE_ENGINE_HOSTNAME",
     "--log-level": "TRIO_ENCODE_LOG_LEVEL",
+    "--image-size": "TRIO_ENCODE_IMAGE_SIZE",
+    "--patch-size": "TRIO_ENCODE_PATCH_SIZE",
+    "--width": "TRIO_ENCODE_WIDTH",
+    "--depth": "TRIO_ENCODE_DEPTH",
+    "--heads": "TRIO_ENCODE_HEADS",
+    "--mlp-ratio": "TRIO_ENCODE_MLP_RATIO",
+    "--hidden-size": "TRIO_ENCODE_HIDDEN_SIZE",
+    "--dtype": "TRIO_ENCODE_DTYPE",
+    "--seed": "TRIO_ENCODE_SEED",
+    "--weights": "TRIO_ENCODE_WEIGHTS",
+    "--hf-model-dir": "TRIO_ENCODE_HF_MODEL_DIR",
+    "--hf-feature-layer": "TRIO_ENCODE_HF_FEATURE_LAYER",
+    "--max-batch-size": "TRIO_ENCODE_MAX_BATCH_SIZE",
+    "--max-batch-wait": "TRIO_ENCODE_MAX_BATCH_WAIT",
+    "--queue-size": "TRIO_ENCODE_QUEUE_SIZE",
+    "--cache-bytes": "TRIO_ENCODE_CACHE_BYTES",
+    "--max-image-bytes": "TRIO_ENCODE_MAX_IMAGE_BYTES",
+    "--max-image-pixels": "TRIO_ENCODE_MAX_IMAGE_PIXELS",
+    "--torch-threads": "TRIO_ENCODE_TORCH_THREADS",
 }
 
 
@@ -73,6 +93,41 @@ def test_the_flag_wins_over_the_variable_and_the_variable_over_the_default(
     assert settings.host == "127.0.0.1"  # default
     assert settings.engine.metadata_server == "P2PHANDSHAKE"
     assert "0 cut short" in result.output
+
+
+def test_encoder_flags_beat_variables_which_beat_the_defaults(
+    captured: list[ServerSettings],
+) -> None:
+    env = {
+        "TRIO_ENCODE_MAX_BATCH_SIZE": "4",
+        "TRIO_ENCODE_DTYPE": "bfloat16",
+        "TRIO_ENCODE_CACHE_BYTES": "0",
+        "TRIO_ENCODE_TORCH_THREADS": "3",
+    }
+    args = ["serve", "--max-batch-size", "16", "--max-batch-wait", "0.02", "--depth", "2"]
+    result = CliRunner().invoke(cli, args, env=env)
+    assert result.exit_code == 0, result.output
+    (settings,) = captured
+    encoder = settings.encoder
+    assert encoder.max_batch_size == 16  # flag over variable
+    assert encoder.max_batch_wait == 0.02  # flag
+    assert encoder.depth == 2
+    assert encoder.dtype == "bfloat16"  # variable
+    assert encoder.cache_bytes == 0
+    assert encoder.torch_threads == 3
+    assert encoder.image_size == EncoderSettings().image_size  # default
+    assert encoder.queue_size == EncoderSettings().queue_size
+    assert encoder.hf_model_dir is None
+
+
+def test_encoder_settings_that_do_not_fit_together_are_a_usage_error(
+    captured: list[ServerSettings],
+) -> None:
+    result = CliRunner().invoke(cli, ["serve", "--image-size", "100", "--patch-size", "16"])
+    assert result.exit_code == 2
+    assert "not a multiple of patch_size" in result.output
+    assert "Traceback" not in result.output
+    assert not captured
 
 
 def test_a_bad_setting_is_refused_with_the_reason(captured: list[ServerSettings]) -> None:

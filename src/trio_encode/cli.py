@@ -2,7 +2,8 @@
 
 Every setting is a flag and a ``TRIO_ENCODE_*`` environment variable (the flag wins; click's
 order of precedence). Options come in groups, each a decorator, so a module that adds settings
-(the encoder's, say) adds one group and one line in :func:`_settings`.
+adds one group and one line in :func:`_settings`. ``bench`` measures the served paths against
+their raw parts (see :mod:`trio_encode.bench.server`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any, TypeVar
 import click
 import trio
 
+from trio_encode.encoder.settings import EncoderSettings
 from trio_encode.engine import EngineError
 from trio_encode.engine.mooncake import MooncakeSettings
 from trio_encode.logs import setup_logging
@@ -122,6 +124,171 @@ engine_options = _group(
     ),
 )
 
+_ENCODER = EncoderSettings()  # the defaults shown in --help are the dataclass's own
+
+encoder_options = _group(
+    _option(
+        "--image-size",
+        env="IMAGE_SIZE",
+        type=click.IntRange(1),
+        default=_ENCODER.image_size,
+        show_default=True,
+        help="Built-in ViT: side in pixels every image is resized to; a multiple of "
+        "--patch-size. Ignored with --hf-model-dir (the model's config decides).",
+    ),
+    _option(
+        "--patch-size",
+        env="PATCH_SIZE",
+        type=click.IntRange(1),
+        default=_ENCODER.patch_size,
+        show_default=True,
+        help="Built-in ViT: patch side; tokens per image = (image-size / patch-size)^2.",
+    ),
+    _option(
+        "--width",
+        env="WIDTH",
+        type=click.IntRange(1),
+        default=_ENCODER.width,
+        show_default=True,
+        help="Built-in ViT: transformer width (a multiple of --heads).",
+    ),
+    _option(
+        "--depth",
+        env="DEPTH",
+        type=click.IntRange(1),
+        default=_ENCODER.depth,
+        show_default=True,
+        help="Built-in ViT: transformer layers.",
+    ),
+    _option(
+        "--heads",
+        env="HEADS",
+        type=click.IntRange(1),
+        default=_ENCODER.heads,
+        show_default=True,
+        help="Built-in ViT: attention heads.",
+    ),
+    _option(
+        "--mlp-ratio",
+        env="MLP_RATIO",
+        type=click.FloatRange(0, min_open=True),
+        default=_ENCODER.mlp_ratio,
+        show_default=True,
+        help="Built-in ViT: MLP width as a multiple of --width.",
+    ),
+    _option(
+        "--hidden-size",
+        env="HIDDEN_SIZE",
+        type=click.IntRange(1),
+        default=_ENCODER.hidden_size,
+        show_default=True,
+        help="The language model's hidden size: the width of every embedding row sent to "
+        "prefill ranks (the projector's output).",
+    ),
+    _option(
+        "--dtype",
+        env="DTYPE",
+        type=click.Choice(["float32", "bfloat16"]),
+        default=_ENCODER.dtype,
+        show_default=True,
+        help="Dtype of the model and of the embeddings sent; bfloat16 halves the bytes moved.",
+    ),
+    _option(
+        "--seed",
+        env="SEED",
+        type=int,
+        default=_ENCODER.seed,
+        show_default=True,
+        help="Built-in ViT: seed its random weights are drawn from (unless --weights is "
+        "given); servers with the same seed produce the same embeddings.",
+    ),
+    _option(
+        "--weights",
+        env="WEIGHTS",
+        type=click.Path(exists=True, dir_okay=False, path_type=Path),
+        default=None,
+        help="Built-in ViT: a safetensors file of its weights (saved by "
+        "trio_encode.encoder.model.save_weights) instead of seeded random ones.",
+    ),
+    _option(
+        "--hf-model-dir",
+        env="HF_MODEL_DIR",
+        type=click.Path(exists=True, file_okay=False, path_type=Path),
+        default=None,
+        help="Serve a local CLIP or SigLIP vision tower in Hugging Face format instead of the "
+        "built-in ViT (needs the 'hf' extra; nothing is downloaded).",
+    ),
+    _option(
+        "--hf-feature-layer",
+        env="HF_FEATURE_LAYER",
+        type=int,
+        default=_ENCODER.hf_feature_layer,
+        show_default=True,
+        help="With --hf-model-dir: hidden layer whose states are returned (-1 the last; "
+        "LLaVA uses -2).",
+    ),
+    _option(
+        "--max-batch-size",
+        env="MAX_BATCH_SIZE",
+        type=click.IntRange(1),
+        default=_ENCODER.max_batch_size,
+        show_default=True,
+        help="Images per forward pass, gathered across concurrent requests.",
+    ),
+    _option(
+        "--max-batch-wait",
+        env="MAX_BATCH_WAIT",
+        type=click.FloatRange(0),
+        default=_ENCODER.max_batch_wait,
+        show_default=True,
+        help="Seconds the oldest queued image may wait for others to fill its batch: "
+        "latency traded for throughput.",
+    ),
+    _option(
+        "--queue-size",
+        env="QUEUE_SIZE",
+        type=click.IntRange(1),
+        default=_ENCODER.queue_size,
+        show_default=True,
+        help="Images that may wait for (or be decoded for) a forward pass; more get 503, so "
+        "a burst is refused quickly instead of timing out. Also the most images per request.",
+    ),
+    _option(
+        "--cache-bytes",
+        env="CACHE_BYTES",
+        type=click.IntRange(0),
+        default=_ENCODER.cache_bytes,
+        show_default=True,
+        help="Bytes of embeddings kept for repeated images (keyed by content); 0 disables "
+        "the cache.",
+    ),
+    _option(
+        "--max-image-bytes",
+        env="MAX_IMAGE_BYTES",
+        type=click.IntRange(1),
+        default=_ENCODER.max_image_bytes,
+        show_default=True,
+        help="Encoded size of one image; larger ones get 400.",
+    ),
+    _option(
+        "--max-image-pixels",
+        env="MAX_IMAGE_PIXELS",
+        type=click.IntRange(1),
+        default=_ENCODER.max_image_pixels,
+        show_default=True,
+        help="Width x height of one image, checked before decoding (decompression bombs); "
+        "larger ones get 400.",
+    ),
+    _option(
+        "--torch-threads",
+        env="TORCH_THREADS",
+        type=click.IntRange(1),
+        default=None,
+        help="torch.set_num_threads for the forward pass (default: torch's own, one per "
+        "core). Lower it to leave cores to image decoding and the event loop.",
+    ),
+)
+
 logging_options = _group(
     _option(
         "--log-level",
@@ -142,6 +309,44 @@ logging_options = _group(
 )
 
 
+def _encoder_settings(options: dict[str, Any]) -> EncoderSettings:
+    """Encoder settings from :data:`encoder_options`; a combination the encoder refuses (an
+    image size that is not a multiple of the patch size, say) is a usage error."""
+    try:
+        return EncoderSettings(
+            image_size=options["image_size"],
+            patch_size=options["patch_size"],
+            width=options["width"],
+            depth=options["depth"],
+            heads=options["heads"],
+            mlp_ratio=options["mlp_ratio"],
+            hidden_size=options["hidden_size"],
+            dtype=options["dtype"],
+            seed=options["seed"],
+            weights=options["weights"],
+            hf_model_dir=options["hf_model_dir"],
+            hf_feature_layer=options["hf_feature_layer"],
+            max_batch_size=options["max_batch_size"],
+            max_batch_wait=options["max_batch_wait"],
+            queue_size=options["queue_size"],
+            cache_bytes=options["cache_bytes"],
+            max_image_bytes=options["max_image_bytes"],
+            max_image_pixels=options["max_image_pixels"],
+            torch_threads=options["torch_threads"],
+        )
+    except ValueError as exc:
+        raise click.UsageError(f"encoder settings: {exc}") from exc
+
+
+def _engine_settings(options: dict[str, Any]) -> MooncakeSettings:
+    return MooncakeSettings(
+        hostname=options["engine_hostname"],
+        metadata_server=options["engine_metadata_server"],
+        protocol=options["engine_protocol"],
+        device_name=options["engine_device"],
+    )
+
+
 def _settings(options: dict[str, Any]) -> ServerSettings:
     """Settings from the options of the groups above."""
     return ServerSettings(
@@ -152,12 +357,8 @@ def _settings(options: dict[str, Any]) -> ServerSettings:
         max_body_bytes=options["max_body_bytes"],
         token=options["token"] or None,
         media_dir=options["media_dir"],
-        engine=MooncakeSettings(
-            hostname=options["engine_hostname"],
-            metadata_server=options["engine_metadata_server"],
-            protocol=options["engine_protocol"],
-            device_name=options["engine_device"],
-        ),
+        engine=_engine_settings(options),
+        encoder=_encoder_settings(options),
         log_level=options["log_level"].upper(),
         log_format=options["log_format"],
     )
@@ -172,6 +373,7 @@ def cli() -> None:
 @cli.command()
 @server_options
 @engine_options
+@encoder_options
 @logging_options
 def serve(**options: Any) -> None:
     """Serve POST /encode, POST /send, GET /health and GET /metrics until SIGINT/SIGTERM."""
@@ -198,6 +400,7 @@ def serve(**options: Any) -> None:
     "--tp", type=click.IntRange(1), default=4, show_default=True, help="Receiving prefill ranks."
 )
 @engine_options
+@encoder_options
 @_option(
     "--log-level",
     env="LOG_LEVEL",
@@ -206,7 +409,7 @@ def serve(**options: Any) -> None:
     show_default=True,
     help="Least severe log lines shown.",
 )
-def demo(requests: int, images: int, tp: int, log_level: str, **engine: Any) -> None:
+def demo(requests: int, images: int, tp: int, log_level: str, **options: Any) -> None:
     """Start a server on a free port and TP receivers, run requests, check every byte.
 
     Each receiver owns its own Mooncake engine and one registered landing pool; every rank
@@ -216,12 +419,8 @@ def demo(requests: int, images: int, tp: int, log_level: str, **engine: Any) -> 
     setup_logging(log_level.upper())
     settings = ServerSettings(
         port=0,
-        engine=MooncakeSettings(
-            hostname=engine["engine_hostname"],
-            metadata_server=engine["engine_metadata_server"],
-            protocol=engine["engine_protocol"],
-            device_name=engine["engine_device"],
-        ),
+        engine=_engine_settings(options),
+        encoder=_encoder_settings(options),
         shutdown_grace=5.0,
     )
     from trio_encode.server.demo import run_demo
