@@ -1,0 +1,107 @@
+"""End to end over HTTP with the real encoder (a small built-in ViT) and real Mooncake engines.
+
+The server batches concurrent /encode calls into one forward and serves repeated images from
+its cache; both make requests share embedding memory. These tests check, over the real engine
+(which answers a second registration of the same bytes with -7), that every byte lands right
+and that shared memory is registered once.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import torch
+import trio
+from PIL import Image
+
+from support.engines import TP, Fleet, fleet_fixture  # noqa: F401  (the fixture)
+from support.harness import P, landing_pools, serving
+from trio_encode.client import LandingSlot, metric_value
+from trio_encode.encoder import EncoderSettings, ImageEncoder, decode_image
+
+SMALL = EncoderSettings(
+    image_size=64, patch_size=16, width=64, depth=2, heads=2, hidden_size=256, max_batch_size=8
+)
+
+
+def png_uri(seed: int) -> str:
+    generator = torch.Generator().manual_seed(seed)
+    pixels = torch.randint(0, 256, (48, 40, 3), generator=generator, dtype=torch.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels.numpy()).save(out, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+def direct(encoder: ImageEncoder, uris: list[str]) -> torch.Tensor:
+    """The embedding computed by the model directly, one image at a time, no server."""
+    rows = []
+    for data in encoder._load_items(uris):
+        pixels = decode_image(data, encoder.backend.preprocess, max_pixels=SMALL.max_image_pixels)
+        with torch.inference_mode():
+            rows.append(encoder.backend.forward(pixels.unsqueeze(0))[0])
+    return torch.cat(rows)
+
+
+async def test_tp4_ranks_with_the_real_encoder_every_byte_checked(fleet: Fleet) -> None:
+    encoder = ImageEncoder.from_settings(SMALL)
+    requests = {f"vit-{i}": [png_uri(100 + 2 * i), png_uri(101 + 2 * i)] for i in range(6)}
+    landed: dict[tuple[str, int], LandingSlot] = {}
+    per_request = 2 * 16 * 256 * 4
+    async with (
+        serving(fleet.server, encoder=encoder) as harness,
+        landing_pools(fleet, len(requests) * per_request + 4096) as pools,
+    ):
+
+        async def rank(req_id: str, r: int) -> None:
+            encoded = await harness.client.encode(req_id, requests[req_id], receive_count=TP)
+            assert encoded.embedding_size == per_request
+            slot = pools[r].allocate(encoded.embedding_size)
+            await harness.client.send(req_id, pools[r].session_id, slot.address)
+            landed[req_id, r] = slot
+
+        with trio.fail_after(120):
+            async with trio.open_nursery() as nursery:
+                for req_id in requests:
+                    for r in range(TP):
+                        nursery.start_soon(rank, req_id, r)
+            text = await harness.settled()
+
+        for req_id, uris in requests.items():
+            expected = direct(encoder, uris)
+            for r in range(TP):
+                copy = landed[req_id, r].read(*expected.shape, "float32")
+                assert torch.equal(copy, expected), (req_id, r)
+        assert metric_value(text, P + "registrations_total") == len(requests)
+        assert metric_value(text, P + "engine_errors_total") == 0
+
+
+async def test_cache_hit_across_requests_registers_the_shared_memory_once(fleet: Fleet) -> None:
+    """Invariant 1 over the real engine: request b is a cache hit on request a's image, so
+    both embeddings are one tensor. While a is still live (one of its two ranks has sent), b
+    leases a's registration instead of registering the same bytes again."""
+    encoder = ImageEncoder.from_settings(SMALL)
+    uri = png_uri(7)
+    size = 16 * 256 * 4
+    async with (
+        serving(fleet.server, encoder=encoder) as harness,
+        landing_pools(fleet, 4 * size) as pools,
+    ):
+        slots = [pool.allocate(size) for pool in pools]
+        with trio.fail_after(60):
+            await harness.client.encode("a", [uri], receive_count=2)
+            await harness.client.send("a", pools[0].session_id, slots[0].address)
+            assert await harness.value("live_registrations") == 1  # a holds it, waiting
+            await harness.client.encode("b", [uri], receive_count=2)
+            await harness.client.send("b", pools[1].session_id, slots[1].address)
+            await harness.client.send("b", pools[2].session_id, slots[2].address)
+            await harness.client.send("a", pools[3].session_id, slots[3].address)
+            text = await harness.settled()
+
+        expected = direct(encoder, [uri])
+        for slot in slots:
+            assert torch.equal(slot.read(*expected.shape, "float32"), expected)
+        assert metric_value(text, P + "registrations_total") == 1
+        assert metric_value(text, P + "deregistrations_total") == 1
+        assert encoder.cache is not None
+        assert len(encoder.cache) == 1  # b was served from the cache: one image encoded
