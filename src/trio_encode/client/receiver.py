@@ -14,6 +14,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 import torch
+import trio
 
 from trio_encode.engine import TransferEngine
 
@@ -86,7 +87,9 @@ class LandingPool:
         try:
             yield pool
         finally:
-            await engine.deregister(pool.address)
+            # Shielded: a cancelled owner must still give the registration back.
+            with trio.CancelScope(shield=True):
+                await engine.deregister(pool.address)
 
     @property
     def session_id(self) -> str:
