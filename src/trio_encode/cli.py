@@ -1,13 +1,14 @@
-"""``trio-encode``: ``serve`` runs the encode server; ``demo`` proves a whole round trip.
+"""``trio-encode``: ``serve`` runs the encode server; ``demo`` proves a whole round trip;
+``bench`` measures the served paths against their raw parts.
 
 Every setting is a flag and a ``TRIO_ENCODE_*`` environment variable (the flag wins; click's
 order of precedence). Options come in groups, each a decorator, so a module that adds settings
-adds one group and one line in :func:`_settings`. ``bench`` measures the served paths against
-their raw parts (see :mod:`trio_encode.bench.server`).
+adds one group and one line in :func:`_settings`.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -429,6 +430,121 @@ def demo(requests: int, images: int, tp: int, log_level: str, **options: Any) ->
     click.echo(outcome.summary())
     if not outcome.ok:
         raise SystemExit(1)
+
+
+def _image_counts(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(int(part) for part in value.split(",") if part.strip())
+    except ValueError:
+        counts = ()
+    if not counts or min(counts) < 1:
+        raise click.BadParameter("give positive image counts separated by commas, e.g. 1,4")
+    return counts
+
+
+@cli.command()
+@click.option(
+    "--tp",
+    type=click.IntRange(1),
+    default=4,
+    show_default=True,
+    help="Receiving prefill ranks, each with its own engine: the concurrency of both "
+    "transfer sides.",
+)
+@click.option(
+    "--transfer-images",
+    default="1,4",
+    show_default=True,
+    callback=_image_counts,
+    help="One transfer row per count: a transfer is that many images' embeddings.",
+)
+@click.option(
+    "--transfer-requests",
+    type=click.IntRange(1),
+    default=24,
+    show_default=True,
+    help="req_ids per round and row; every rank sends each one.",
+)
+@click.option(
+    "--concurrency",
+    type=click.IntRange(1),
+    default=16,
+    show_default=True,
+    help="HTTP clients calling /encode then /send in a loop, each with its own image.",
+)
+@click.option(
+    "--served-seconds",
+    type=click.FloatRange(0, min_open=True),
+    default=60.0,
+    show_default=True,
+    help="Measured /encode time, over all rounds.",
+)
+@click.option(
+    "--raw-seconds",
+    type=click.FloatRange(0, min_open=True),
+    default=15.0,
+    show_default=True,
+    help="Measured raw forward time, over all rounds.",
+)
+@click.option(
+    "--settle-seconds",
+    type=click.FloatRange(0),
+    default=1.0,
+    show_default=True,
+    help="Per served round, time the clients get to fill the pipeline before the clock.",
+)
+@click.option(
+    "--rounds",
+    type=click.IntRange(1),
+    default=3,
+    show_default=True,
+    help="Raw and served phases alternate this many times and are pooled.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead.")
+@engine_options
+@encoder_options
+def bench(
+    tp: int,
+    transfer_images: tuple[int, ...],
+    transfer_requests: int,
+    concurrency: int,
+    served_seconds: float,
+    raw_seconds: float,
+    settle_seconds: float,
+    rounds: int,
+    as_json: bool,
+    **options: Any,
+) -> None:
+    """Measure the served paths against their raw parts, side by side, in one run.
+
+    Transfers: Mooncake transfer() vs /send of the same bytes (TP ranks at once, encoding
+    excluded). Encoder: the model's forward at B = --max-batch-size vs /encode over HTTP with
+    distinct images (the cache is always off). A probe polls /health meanwhile; the peak RSS
+    is reported. The defaults take about 2-3 minutes on 2 cores; run it on an idle machine.
+    """
+    setup_logging("WARNING")
+    from trio_encode.bench.server import BenchConfig, run_bench
+
+    try:
+        config = BenchConfig(
+            encoder=_encoder_settings(options),
+            engine=_engine_settings(options),
+            tp=tp,
+            transfer_images=transfer_images,
+            transfer_requests=transfer_requests,
+            concurrency=concurrency,
+            served_seconds=served_seconds,
+            raw_seconds=raw_seconds,
+            settle_seconds=settle_seconds,
+            rounds=rounds,
+        )
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+    result = _run(run_bench, config)
+    if as_json:
+        click.echo(json.dumps(result.to_json(), indent=2))
+    else:
+        click.echo(result.table())
 
 
 def _run(fn: Callable[..., Any], *args: Any) -> Any:

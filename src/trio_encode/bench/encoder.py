@@ -87,7 +87,9 @@ class _BatchSizes:
         pass
 
 
-def _distinct_pngs(count: int, side: int) -> list[bytes]:
+def distinct_pngs(count: int, side: int) -> list[bytes]:
+    """``count`` different noise PNGs of ``side`` x ``side`` pixels (seeded: the same every
+    run). Noise does not compress, so decoding costs what a photo of that size costs."""
     generator = torch.Generator().manual_seed(1234)
     images = []
     for _ in range(count):
@@ -110,6 +112,26 @@ def measure_raw(backend: VisionBackend, batch_size: int, batches: int) -> tuple[
     return batch_size * batches, time.perf_counter() - start
 
 
+def measure_raw_for(
+    backend: VisionBackend, batch_size: int, seconds: float, *, warmups: int = 1
+) -> tuple[int, float]:
+    """Images and seconds of back-to-back forwards at ``batch_size`` for at least ``seconds``
+    (at least one forward), after ``warmups`` untimed ones. Timed rather than counted so
+    that raw and served phases weigh alike whatever the model's speed."""
+    side = backend.preprocess.image_size
+    pixels = torch.randn(batch_size, 3, side, side, generator=torch.Generator().manual_seed(0))
+    for _ in range(warmups):
+        backend.forward(pixels)
+    start = time.perf_counter()
+    images = 0
+    while True:
+        backend.forward(pixels)
+        images += batch_size
+        elapsed = time.perf_counter() - start
+        if elapsed >= seconds:
+            return images, elapsed
+
+
 async def measure_served(
     backend: VisionBackend,
     settings: EncoderSettings,
@@ -120,7 +142,7 @@ async def measure_served(
     """Images served, seconds, the batch sizes, and every event-loop lateness seen."""
     sizes = _BatchSizes()
     encoder = ImageEncoder(backend, settings, observer=sizes)
-    images = _distinct_pngs(concurrency, backend.preprocess.image_size)
+    images = distinct_pngs(concurrency, backend.preprocess.image_size)
     done = 0
     lateness: list[float] = []
 

@@ -1,0 +1,533 @@
+"""``trio-encode bench``: each served path beside the raw part it is built on, in one run.
+
+The server is the real one (hypercorn, quart-trio, request scopes, Mooncake over TCP) running
+in this process, with TP receiver ranks that each own a Mooncake engine and a landing pool:
+
+- transfer: ``MooncakeEngine.transfer`` from the server's engine into the ranks' pools, TP
+  streams at once, against the same bytes moved by ``/send`` (every rank sends every req_id;
+  the req_ids are encoded before the clock starts, so only the sends are timed);
+- encoder: the model's forward in a loop at the server's batch size against ``/encode`` over
+  HTTP from N clients with distinct images (cache off, so every image is decoded and
+  encoded), each request then completed by a ``/send`` so no scope lingers;
+- a probe polling ``/health`` while the encoder is served, and the process's peak RSS.
+
+Raw and served phases alternate for ``rounds`` rounds and are pooled, so a neighbour's load
+that comes or goes skews both sides alike. The clients share this process and its cores with
+the server, so the served numbers are, if anything, pessimistic.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import resource
+import time
+from contextlib import AsyncExitStack
+from dataclasses import asdict, dataclass, field, replace
+from functools import partial
+from typing import Any
+
+import httpx
+import torch
+import trio
+
+from trio_encode.bench.encoder import distinct_pngs, measure_raw_for
+from trio_encode.client import EncodeClient, LandingPool, LandingSlot, metric_value
+from trio_encode.encoder import EncoderSettings, ImageEncoder, VisionBackend, load_backend
+from trio_encode.engine.mooncake import MooncakeEngine, MooncakeSettings
+from trio_encode.server.metrics import Metrics
+from trio_encode.server.serve import RunningServer, open_server
+from trio_encode.settings import ServerSettings
+
+ENCODER_TARGET = 0.9
+"""The served/raw encoder throughput the issue asks for."""
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What to run; the defaults take about 2-3 minutes on 2 CPU cores."""
+
+    encoder: EncoderSettings = field(default_factory=EncoderSettings)
+    """The model and batching (``max_batch_size`` is the B of both sides; the cache is
+    always turned off)."""
+    engine: MooncakeSettings = field(default_factory=MooncakeSettings)
+    tp: int = 4
+    """Receiver ranks: the concurrency of both transfer sides."""
+    transfer_images: tuple[int, ...] = (1, 4)
+    """Images per request in the transfer rows: the bytes of one transfer are this many
+    images' embeddings (1.6 MB each with the default model)."""
+    transfer_requests: int = 24
+    """req_ids per round and size; each rank sends each, so TP x this many transfers."""
+    concurrency: int = 16
+    """HTTP clients calling /encode (then /send) in a loop, each with its own image."""
+    served_seconds: float = 60.0
+    """Measured /encode time over all rounds."""
+    raw_seconds: float = 15.0
+    """Measured raw forward time over all rounds."""
+    settle_seconds: float = 1.0
+    """Per served round, time for the clients to fill the pipeline before the clock starts."""
+    rounds: int = 3
+    probe_interval: float = 0.05
+    """Seconds between two /health probes."""
+
+    def __post_init__(self) -> None:
+        counts = {
+            "tp": self.tp,
+            "transfer_requests": self.transfer_requests,
+            "concurrency": self.concurrency,
+            "rounds": self.rounds,
+        }
+        for name, value in counts.items():
+            if value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
+        if not self.transfer_images or min(self.transfer_images) < 1:
+            raise ValueError("transfer_images must name at least one positive image count")
+        for name, seconds in (
+            ("served_seconds", self.served_seconds),
+            ("raw_seconds", self.raw_seconds),
+        ):
+            if not seconds > 0:
+                raise ValueError(f"{name} must be positive, got {seconds}")
+        if self.settle_seconds < 0 or not self.probe_interval > 0:
+            raise ValueError("settle_seconds must be >= 0 and probe_interval positive")
+
+
+@dataclass(frozen=True)
+class TransferRow:
+    images: int
+    nbytes: int
+    """Bytes of one transfer (one req_id's embedding)."""
+    raw_bytes: int
+    raw_seconds: float
+    served_bytes: int
+    served_seconds: float
+
+    @property
+    def raw_rate(self) -> float:
+        """Bytes per second."""
+        return self.raw_bytes / self.raw_seconds
+
+    @property
+    def served_rate(self) -> float:
+        return self.served_bytes / self.served_seconds
+
+    @property
+    def ratio(self) -> float:
+        return self.served_rate / self.raw_rate
+
+
+@dataclass(frozen=True)
+class EncoderRow:
+    batch_size: int
+    concurrency: int
+    raw_images: int
+    raw_seconds: float
+    served_images: int
+    served_seconds: float
+    served_batches: int
+    served_forward_seconds: float
+    """Time the forward pass ran during the served windows (from the batcher's observer)."""
+    served_images_in_batches: int
+    """Images in the batches that finished during the served windows."""
+    raw_spread: tuple[float, float]
+    """Slowest and fastest raw images/s of the rounds (their gap shows the noise)."""
+    served_spread: tuple[float, float]
+
+    @property
+    def raw_rate(self) -> float:
+        """Images per second."""
+        return self.raw_images / self.raw_seconds
+
+    @property
+    def served_rate(self) -> float:
+        return self.served_images / self.served_seconds
+
+    @property
+    def ratio(self) -> float:
+        return self.served_rate / self.raw_rate
+
+    @property
+    def mean_batch(self) -> float:
+        return self.served_images_in_batches / max(1, self.served_batches)
+
+    @property
+    def forward_busy(self) -> float:
+        """Share of the served time the model was running: below 1, the batcher left it idle."""
+        return self.served_forward_seconds / self.served_seconds
+
+    @property
+    def served_forward_rate(self) -> float:
+        """Images per second of forward time while served: below the raw rate, the forward
+        itself ran slower (cores taken by decoding, HTTP, the clients)."""
+        return self.served_images_in_batches / max(1e-9, self.served_forward_seconds)
+
+
+@dataclass(frozen=True)
+class ProbeRow:
+    interval: float
+    probes: int
+    ok: int
+    """Probes answered 200."""
+    p99_seconds: float
+    max_seconds: float
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    model_id: str
+    dtype: str
+    bytes_per_image: int
+    tp: int
+    rounds: int
+    torch_threads: int
+    transfers: list[TransferRow]
+    encoder: EncoderRow
+    health: ProbeRow
+    rss_after_load_bytes: int
+    peak_rss_bytes: int
+    registrations_left: int
+    scopes_left: int
+    seconds: float
+
+    def ratios(self) -> dict[str, float]:
+        """Every served/raw ratio, by row name."""
+        found = {f"transfer_{row.images}": row.ratio for row in self.transfers}
+        found["encoder"] = self.encoder.ratio
+        return found
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["ratios"] = self.ratios()
+        data["encoder"]["mean_batch"] = self.encoder.mean_batch
+        data["encoder"]["forward_busy"] = self.encoder.forward_busy
+        data["encoder"]["raw_rate"] = self.encoder.raw_rate
+        data["encoder"]["served_rate"] = self.encoder.served_rate
+        for row, out in zip(self.transfers, data["transfers"], strict=True):
+            out["raw_rate"], out["served_rate"] = row.raw_rate, row.served_rate
+        return data
+
+    def table(self) -> str:
+        e, h = self.encoder, self.health
+        lines = [
+            f"trio-encode bench: {self.model_id}",
+            f"{_size(self.bytes_per_image)} per image, TP={self.tp}, "
+            f"torch threads {self.torch_threads}, {self.rounds} alternating rounds, "
+            f"{self.seconds:.0f} s in all",
+            "",
+            f"{'':34}{'raw':>14}{'served':>14}{'served/raw':>12}",
+        ]
+        for row in self.transfers:
+            name = f"transfer {_size(row.nbytes)} x {self.tp} ranks"
+            lines.append(
+                f"{name:34}{_size(row.raw_rate) + '/s':>14}{_size(row.served_rate) + '/s':>14}"
+                f"{row.ratio:>12.2f}"
+            )
+        name = f"encoder B={e.batch_size}, {e.concurrency} clients"
+        target = "ok" if e.ratio >= ENCODER_TARGET else "BELOW"
+        lines += [
+            f"{name:34}{e.raw_rate:>8.1f} img/s{e.served_rate:>8.1f} img/s{e.ratio:>12.2f}"
+            f"  (target >= {ENCODER_TARGET}: {target})",
+            f"  served: mean batch {e.mean_batch:.2f}, forward busy {e.forward_busy:.0%}, "
+            f"forward alone {e.served_forward_rate:.1f} img/s; rounds raw "
+            f"{e.raw_spread[0]:.1f}..{e.raw_spread[1]:.1f}, served "
+            f"{e.served_spread[0]:.1f}..{e.served_spread[1]:.1f} img/s",
+            f"/health every {h.interval * 1000:.0f} ms while encoding: {h.ok}/{h.probes} got 200, "
+            f"p99 {h.p99_seconds * 1000:.1f} ms, max {h.max_seconds * 1000:.1f} ms",
+            f"memory: peak RSS {self.peak_rss_bytes / 2**20:.0f} MiB "
+            f"(after loading the model {self.rss_after_load_bytes / 2**20:.0f} MiB); "
+            f"left at the end: {self.registrations_left} registrations, "
+            f"{self.scopes_left} scopes",
+        ]
+        return "\n".join(lines)
+
+
+class _BenchMetrics(Metrics):
+    """The server's metrics, also keeping every batch's size and forward time."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches: list[tuple[int, float]] = []
+
+    def batch_finished(self, images: int, forward_seconds: float, ok: bool) -> None:
+        super().batch_finished(images, forward_seconds, ok)
+        self.batches.append((images, forward_seconds))
+
+
+def _size(nbytes: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def _peak_rss() -> int:
+    """Peak resident set of this process in bytes (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)] if ordered else 0.0
+
+
+def _data_uri(png: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(png).decode()
+
+
+@dataclass
+class _Rig:
+    """Everything the phases share."""
+
+    config: BenchConfig
+    running: RunningServer
+    engine: MooncakeEngine
+    backend: VisionBackend
+    settings: EncoderSettings
+    metrics: _BenchMetrics
+    bytes_per_image: int
+    ranks: list[LandingPool]
+    clients: list[EncodeClient]
+    source: torch.Tensor
+    """Registered on the server's engine: what the raw transfers send."""
+    rank_slots: list[LandingSlot]
+    """One slot per rank, large enough for the largest transfer."""
+
+
+async def run_bench(config: BenchConfig) -> BenchResult:
+    """Run every phase against one server and one model instance; see the module's doc."""
+    started = time.perf_counter()
+    settings = replace(
+        config.encoder,
+        cache_bytes=0,
+        queue_size=max(config.encoder.queue_size, config.concurrency),
+        warmup=True,
+    )
+    server_settings = ServerSettings(
+        port=0, engine=config.engine, encoder=settings, shutdown_grace=5.0
+    )
+    metrics = _BenchMetrics()
+    engine = await MooncakeEngine.create(config.engine)
+    backend = await trio.to_thread.run_sync(load_backend, settings)
+    encoder = ImageEncoder(backend, settings, observer=metrics)
+    rss_after_load = _peak_rss()
+    per_image = encoder.info.bytes_per_image
+    largest = max(config.transfer_images) * per_image
+    per_rank_clients = -(-config.concurrency // config.tp)
+    pool_bytes = largest + per_rank_clients * (per_image + 64) + 64
+    rank_engines = [await MooncakeEngine.create(config.engine) for _ in range(config.tp)]
+    source = torch.randint(1, 255, (largest,), dtype=torch.uint8)
+
+    async with AsyncExitStack() as stack:
+        running = await stack.enter_async_context(
+            open_server(server_settings, engine=engine, encoder=encoder, metrics=metrics)
+        )
+        pools = [
+            await stack.enter_async_context(LandingPool.open(rank, pool_bytes))
+            for rank in rank_engines
+        ]
+        clients = [await stack.enter_async_context(EncodeClient(running.url)) for _ in rank_engines]
+        await engine.register(int(source.data_ptr()), largest)
+        stack.push_async_callback(engine.deregister, int(source.data_ptr()))
+        rig = _Rig(
+            config=config,
+            running=running,
+            engine=engine,
+            backend=backend,
+            settings=settings,
+            metrics=metrics,
+            bytes_per_image=per_image,
+            ranks=pools,
+            clients=clients,
+            source=source,
+            rank_slots=[pool.allocate(largest) for pool in pools],
+        )
+        transfers = [await _transfer_row(rig, images) for images in config.transfer_images]
+        encoder_row, health = await _encoder_rows(rig, settings.max_batch_size)
+        text = await clients[0].metrics()
+        registrations_left = int(metric_value(text, "trio_encode_live_registrations"))
+        scopes_left = int(metric_value(text, "trio_encode_live_scopes"))
+    return BenchResult(
+        model_id=backend.model_id,
+        dtype=encoder.info.dtype,
+        bytes_per_image=per_image,
+        tp=config.tp,
+        rounds=config.rounds,
+        torch_threads=torch.get_num_threads(),
+        transfers=transfers,
+        encoder=encoder_row,
+        health=health,
+        rss_after_load_bytes=rss_after_load,
+        peak_rss_bytes=_peak_rss(),
+        registrations_left=registrations_left,
+        scopes_left=scopes_left,
+        seconds=time.perf_counter() - started,
+    )
+
+
+# -- transfer ------------------------------------------------------------------------------------
+
+
+async def _transfer_row(rig: _Rig, images: int) -> TransferRow:
+    nbytes = images * rig.bytes_per_image
+    raw_seconds = served_seconds = 0.0
+    for round_ in range(rig.config.rounds):
+        raw_seconds += await _raw_transfers(rig, nbytes)
+        served_seconds += await _served_transfers(rig, images, nbytes, round_)
+    total = rig.config.rounds * rig.config.transfer_requests * rig.config.tp * nbytes
+    return TransferRow(images, nbytes, total, raw_seconds, total, served_seconds)
+
+
+async def _raw_transfers(rig: _Rig, nbytes: int) -> float:
+    """Seconds for TP streams of ``transfer_requests`` back-to-back transfers each."""
+    source = int(rig.source.data_ptr())
+
+    async def stream(rank: int) -> None:
+        pool, slot = rig.ranks[rank], rig.rank_slots[rank]
+        for _ in range(rig.config.transfer_requests):
+            await rig.engine.transfer(pool.session_id, source, slot.address, nbytes)
+
+    start = time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        for rank in range(rig.config.tp):
+            nursery.start_soon(stream, rank)
+    return time.perf_counter() - start
+
+
+async def _served_transfers(rig: _Rig, images: int, nbytes: int, round_: int) -> float:
+    """Encode ``transfer_requests`` req_ids (untimed), then time every rank's /send of each,
+    one at a time per rank as a prefill rank would; the last send of a req_id ends its scope."""
+    config = rig.config
+    item = _data_uri(distinct_pngs(1, rig.backend.preprocess.image_size)[0])
+    req_ids = [f"bench-send-{round_}-{images}-{i}" for i in range(config.transfer_requests)]
+    # At most a queue's worth of images in flight, or the server would answer 503.
+    limiter = trio.CapacityLimiter(max(1, min(16, rig.settings.queue_size // images)))
+
+    async def encode(req_id: str) -> None:
+        async with limiter:
+            await rig.clients[0].encode(req_id, [item] * images, receive_count=config.tp)
+
+    async with trio.open_nursery() as nursery:
+        for req_id in req_ids:
+            nursery.start_soon(encode, req_id)
+
+    async def rank_sends(rank: int) -> None:
+        client, pool, slot = rig.clients[rank], rig.ranks[rank], rig.rank_slots[rank]
+        for req_id in req_ids:
+            sent = await client.send(req_id, pool.session_id, slot.address)
+            if sent.embedding_size != nbytes:
+                raise RuntimeError(f"{req_id}: sent {sent.embedding_size} bytes, not {nbytes}")
+
+    start = time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        for rank in range(config.tp):
+            nursery.start_soon(rank_sends, rank)
+    return time.perf_counter() - start
+
+
+# -- encoder -------------------------------------------------------------------------------------
+
+
+@dataclass
+class _ServedRound:
+    images: int = 0
+    seconds: float = 0.0
+    batches: list[tuple[int, float]] = field(default_factory=list)
+
+
+async def _encoder_rows(rig: _Rig, batch_size: int) -> tuple[EncoderRow, ProbeRow]:
+    config = rig.config
+    pngs = distinct_pngs(config.concurrency, rig.backend.preprocess.image_size)
+    items = [_data_uri(png) for png in pngs]
+    slots = [
+        rig.ranks[k % config.tp].allocate(rig.bytes_per_image) for k in range(config.concurrency)
+    ]
+    raw_images, raw_seconds, raw_rates = 0, 0.0, []
+    served: list[_ServedRound] = []
+    latencies: list[float] = []
+    statuses: list[int] = []
+    for round_ in range(config.rounds):
+        images, seconds = await trio.to_thread.run_sync(
+            partial(measure_raw_for, rig.backend, batch_size, config.raw_seconds / config.rounds)
+        )
+        raw_images, raw_seconds = raw_images + images, raw_seconds + seconds
+        raw_rates.append(images / seconds)
+        served.append(await _served_round(rig, items, slots, round_, latencies, statuses))
+    for slot in slots:
+        slot.release()
+    batches = [batch for round_ in served for batch in round_.batches]
+    encoder = EncoderRow(
+        batch_size=batch_size,
+        concurrency=config.concurrency,
+        raw_images=raw_images,
+        raw_seconds=raw_seconds,
+        served_images=sum(r.images for r in served),
+        served_seconds=sum(r.seconds for r in served),
+        served_batches=len(batches),
+        served_forward_seconds=sum(seconds for _, seconds in batches),
+        served_images_in_batches=sum(images for images, _ in batches),
+        raw_spread=(min(raw_rates), max(raw_rates)),
+        served_spread=(
+            min(r.images / r.seconds for r in served),
+            max(r.images / r.seconds for r in served),
+        ),
+    )
+    probe = ProbeRow(
+        interval=config.probe_interval,
+        probes=len(statuses),
+        ok=sum(status == 200 for status in statuses),
+        p99_seconds=_percentile(latencies, 0.99),
+        max_seconds=max(latencies, default=0.0),
+    )
+    return encoder, probe
+
+
+async def _served_round(
+    rig: _Rig,
+    items: list[str],
+    slots: list[LandingSlot],
+    round_: int,
+    latencies: list[float],
+    statuses: list[int],
+) -> _ServedRound:
+    """N clients loop /encode + /send with their own image; the images whose /encode answered
+    inside the window count. Stopping lets each client finish its request, so no scope is
+    left behind to expire."""
+    config = rig.config
+    done = 0
+    stopping = trio.Event()
+
+    async def client(k: int) -> None:
+        nonlocal done
+        http, slot = rig.clients[k % config.tp], slots[k]
+        session_id = rig.ranks[k % config.tp].session_id
+        i = 0
+        while not stopping.is_set():
+            req_id = f"bench-encode-{round_}-{k}-{i}"
+            i += 1
+            await http.encode(req_id, [items[k]], receive_count=1)
+            done += 1
+            await http.send(req_id, session_id, slot.address)
+
+    async def probe(http: httpx.AsyncClient) -> None:
+        while not stopping.is_set():
+            start = time.perf_counter()
+            response = await http.get("/health")
+            latencies.append(time.perf_counter() - start)
+            statuses.append(response.status_code)
+            await trio.sleep(config.probe_interval)
+
+    result = _ServedRound()
+    async with (
+        httpx.AsyncClient(base_url=rig.running.url, timeout=30) as probe_http,
+        trio.open_nursery() as nursery,
+    ):
+        nursery.start_soon(probe, probe_http)
+        for k in range(config.concurrency):
+            nursery.start_soon(client, k)
+        await trio.sleep(config.settle_seconds)
+        first_batch, before, start = len(rig.metrics.batches), done, time.perf_counter()
+        await trio.sleep(config.served_seconds / config.rounds)
+        result.images, result.seconds = done - before, time.perf_counter() - start
+        result.batches = rig.metrics.batches[first_batch:]
+        stopping.set()
+    return result
