@@ -155,6 +155,11 @@ class RequestScope:
         return len(self._done)
 
     @property
+    def encode_error(self) -> RequestError | None:
+        """Why the encode failed, if it did (remembered after the scope ends)."""
+        return self._encode_error
+
+    @property
     def accepting(self) -> bool:
         """Whether new sends may still join (false from the moment the scope starts ending)."""
         return (
@@ -450,7 +455,7 @@ class ScopeRegistry:
             # Bad input leaves nothing behind: the client may retry the id with a fixed body.
             if scope.end_reason != "invalid_input":
                 assert scope.end_reason is not None
-                self._remember(scope.req_id, scope.end_reason, scope._encode_error)
+                self._remember(scope.req_id, scope.end_reason, scope.encode_error)
 
     def _remember(self, req_id: str, reason: EndReason, error: RequestError | None) -> None:
         now = trio.current_time()
