@@ -50,3 +50,12 @@ def mutants(session: nox.Session) -> None:
     fail for each (proves every lifecycle rule has a test that would catch its loss)."""
     _install(session, "group:tests")
     session.run("python", "tests/mutants.py", env={"GLOG_minloglevel": "2"})
+
+
+@nox.session(python=PYTHON)
+def bench(session: nox.Session) -> None:
+    """``trio-encode bench``: served /send and /encode against raw Mooncake transfers and the
+    raw forward, a /health probe and peak RSS (2-3 minutes on 2 cores; run it on an idle
+    machine). Arguments after ``--`` go to the command, e.g. ``nox -s bench -- --json``."""
+    _install(session, "mooncake")
+    session.run("trio-encode", "bench", *session.posargs, env={"GLOG_minloglevel": "2"})

@@ -461,7 +461,7 @@ def _image_counts(ctx: click.Context, param: click.Parameter, value: str) -> tup
 @click.option(
     "--transfer-requests",
     type=click.IntRange(1),
-    default=24,
+    default=64,
     show_default=True,
     help="req_ids per round and row; every rank sends each one.",
 )
