@@ -190,6 +190,8 @@ class BenchResult:
     encoder: EncoderRow
     health: ProbeRow
     rss_after_load_bytes: int
+    rss_after_transfers_bytes: int
+    """Peak RSS after the transfer rows (before the encoder rows ran)."""
     peak_rss_bytes: int
     registrations_left: int
     scopes_left: int
@@ -240,7 +242,8 @@ class BenchResult:
             f"/health every {h.interval * 1000:.0f} ms while encoding: {h.ok}/{h.probes} got 200, "
             f"p99 {h.p99_seconds * 1000:.1f} ms, max {h.max_seconds * 1000:.1f} ms",
             f"memory: peak RSS {self.peak_rss_bytes / 2**20:.0f} MiB "
-            f"(after loading the model {self.rss_after_load_bytes / 2**20:.0f} MiB); "
+            f"(after loading the model {self.rss_after_load_bytes / 2**20:.0f} MiB, after the "
+            f"transfer rows {self.rss_after_transfers_bytes / 2**20:.0f} MiB); "
             f"left at the end: {self.registrations_left} registrations, "
             f"{self.scopes_left} scopes",
         ]
@@ -350,12 +353,19 @@ async def _open_rig(
 
 
 async def _leftovers(rig: _Rig) -> tuple[int, int]:
-    """Registrations and scopes the server still holds (both 0 once every request ended)."""
-    text = await rig.clients[0].metrics()
-    return (
-        int(metric_value(text, "trio_encode_live_registrations")),
-        int(metric_value(text, "trio_encode_live_scopes")),
-    )
+    """Registrations and scopes the server still holds: both 0 once every request ended.
+    A scope ends just after its last /send answered, so give it a moment (at most 5 s)."""
+    left = (1, 1)
+    with trio.move_on_after(5):
+        while any(left):
+            text = await rig.clients[0].metrics()
+            left = (
+                int(metric_value(text, "trio_encode_live_registrations")),
+                int(metric_value(text, "trio_encode_live_scopes")),
+            )
+            if any(left):
+                await trio.sleep(0.02)
+    return left
 
 
 async def run_bench(config: BenchConfig) -> BenchResult:
@@ -396,6 +406,7 @@ async def run_bench(config: BenchConfig) -> BenchResult:
                 registrations_left + registrations,
                 scopes_left + scopes,
             )
+        rss_after_transfers = _peak_rss()
         async with _open_rig(config, backend, encode_settings, pools, rank_slots, source) as rig:
             encoder_row, health = await _encoder_rows(rig, encode_settings.max_batch_size)
             registrations, scopes = await _leftovers(rig)
@@ -414,6 +425,7 @@ async def run_bench(config: BenchConfig) -> BenchResult:
         encoder=encoder_row,
         health=health,
         rss_after_load_bytes=rss_after_load,
+        rss_after_transfers_bytes=rss_after_transfers,
         peak_rss_bytes=_peak_rss(),
         registrations_left=registrations_left,
         scopes_left=scopes_left,
