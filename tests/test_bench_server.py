@@ -48,12 +48,14 @@ def test_bench_measures_every_row_and_leaves_nothing_behind() -> None:
     assert result.health.probes > 0
     assert result.health.ok == result.health.probes
     assert 0 <= result.health.p99_seconds <= result.health.max_seconds
-    assert result.peak_rss_bytes >= result.rss_after_load_bytes > 0
+    assert (
+        result.peak_rss_bytes >= result.rss_after_transfers_bytes >= result.rss_after_load_bytes > 0
+    )
     assert result.registrations_left == 0
     assert result.scopes_left == 0
 
     table = result.table()
-    assert table.count("transfer ") == 2
+    assert table.count(" x 2 ranks") == 2  # one line per transfer row
     assert "encoder B=2, 3 clients" in table
     assert "/health every 50 ms" in table
     assert "peak RSS" in table
