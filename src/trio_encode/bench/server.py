@@ -5,7 +5,8 @@ in this process, with TP receiver ranks that each own a Mooncake engine and a la
 
 - transfer: ``MooncakeEngine.transfer`` from the server's engine into the ranks' pools, TP
   streams at once, against the same bytes moved by ``/send`` (every rank sends every req_id;
-  the req_ids are encoded before the clock starts, so only the sends are timed);
+  the req_ids are encoded before the clock starts, so only the sends are timed, by a server
+  of their own whose cache makes that cheap);
 - encoder: the model's forward in a loop at the server's batch size against ``/encode`` over
   HTTP from N clients with distinct images (cache off, so every image is decoded and
   encoded), each request then completed by a ``/send`` so no scope lingers;
@@ -53,8 +54,8 @@ class BenchConfig:
     """What to run; the defaults take about 2-3 minutes on 2 CPU cores."""
 
     encoder: EncoderSettings = field(default_factory=EncoderSettings)
-    """The model and batching (``max_batch_size`` is the B of both sides; the cache is
-    always turned off)."""
+    """The model and batching (``max_batch_size`` is the B of both encoder sides). The
+    encoder rows run with the cache off; the transfer rows' server caches their one image."""
     engine: MooncakeSettings = field(default_factory=MooncakeSettings)
     tp: int = 4
     """Receiver ranks: the concurrency of both transfer sides."""
