@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from trio_encode.encoder.backend import load_backend
-from trio_encode.encoder.model import BuiltinBackend, save_weights
+from trio_encode.encoder.model import (
+    TORCH_DTYPES,
+    BuiltinBackend,
+    build_model,
+    compile_forward,
+    save_weights,
+)
 from trio_encode.encoder.settings import EncoderSettings
 
 TINY = EncoderSettings(
@@ -54,6 +60,33 @@ def test_an_image_gives_the_same_bytes_in_any_batch_position_and_size() -> None:
     reversed_out = backend.forward(batch.flip(0))
     for i in range(5):
         assert torch.equal(reversed_out[4 - i], full[i])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_scripted_forward_matches_eager_bit_for_bit_at_every_batch_size(dtype: str) -> None:
+    # TorchScript's executor re-profiles and re-specialises over the first calls and on new
+    # shapes: every call, in any order of sizes, must still give eager's exact bytes.
+    settings = replace(TINY, dtype=dtype)
+    backend = BuiltinBackend(settings)
+    assert isinstance(backend._run, torch.jit.ScriptModule)
+    eager = build_model(settings)
+    batch = pixels(6).to(TORCH_DTYPES[dtype])
+    with torch.inference_mode():
+        expected = eager(batch)
+    for size in (6, 1, 6, 3, 6, 2, 5, 1, 6, 4, 6, 6):
+        assert torch.equal(backend.forward(batch[:size].float()), expected[:size])
+
+
+def test_an_unscriptable_model_falls_back_to_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(model: object) -> object:
+        raise RuntimeError("not scriptable")
+
+    monkeypatch.setattr(torch.jit, "script", refuse)
+    model = build_model(TINY)
+    assert compile_forward(model) is model
+    backend = BuiltinBackend(TINY)
+    assert backend._run is backend.module
+    assert torch.equal(backend.forward(pixels(2)), BuiltinBackend(TINY).forward(pixels(2)))
 
 
 def test_safetensors_round_trip_gives_identical_outputs(tmp_path: Path) -> None:

@@ -9,6 +9,9 @@ from a safetensors file.
 from __future__ import annotations
 
 import hashlib
+import logging
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -18,6 +21,8 @@ from torch import nn
 
 from trio_encode.encoder.images import Preprocess
 from trio_encode.encoder.settings import EncoderSettings
+
+log = logging.getLogger(__name__)
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _INIT_STD = 0.02
@@ -129,6 +134,26 @@ def save_weights(model: VisionEncoder, path: Path) -> None:
     save_file(state, str(path))
 
 
+def compile_forward(model: VisionEncoder) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The model as TorchScript, or the eager module if it cannot be scripted.
+
+    A scripted module runs its whole graph in C++ with the GIL released, so the forward no
+    longer waits for the GIL between kernels while the event loop holds it. ``script`` (not
+    ``trace``) keeps the batch size dynamic; it adds no fusion on CPU, so outputs stay
+    bit-identical to eager (tests/test_encoder_model.py checks it).
+    """
+    try:
+        with warnings.catch_warnings():
+            # torch 2.x deprecates TorchScript in favour of torch.compile, which needs a
+            # compiler at load time and still runs its glue under the GIL.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            scripted: Callable[[torch.Tensor], torch.Tensor] = torch.jit.script(model)
+    except Exception as exc:  # any scripting failure falls back to eager
+        log.warning("cannot script the built-in encoder, running it eagerly: %s", exc)
+        return model
+    return scripted
+
+
 def _file_digest(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as file:
@@ -142,6 +167,7 @@ class BuiltinBackend:
 
     def __init__(self, settings: EncoderSettings) -> None:
         self.module = build_model(settings)
+        self._run = compile_forward(self.module)
         self.dtype = TORCH_DTYPES[settings.dtype]
         self.tokens_per_image = self.module.tokens
         self.hidden_size = settings.hidden_size
@@ -160,5 +186,5 @@ class BuiltinBackend:
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         """Normalised float32 pixels ``(B, 3, S, S)`` -> contiguous ``(B, tokens, hidden)``."""
         with torch.inference_mode():
-            out: torch.Tensor = self.module(pixels.to(self.dtype))
+            out: torch.Tensor = self._run(pixels.to(self.dtype))
             return out.contiguous()
