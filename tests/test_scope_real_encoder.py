@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TypeVar
 
+import pytest
 import torch
 import trio
 import trio.testing
@@ -253,12 +254,8 @@ async def test_request_cancelled_in_the_encoder_queue_is_never_encoded(
         assert h.encoder.queued_images == 0
         await trio.sleep(FORWARD_SECONDS * 2)
         assert h.forwards == [1]  # the stuck batch ran; the queued request never did
-        try:
+        with pytest.raises(RequestReleased):  # a late /send cannot resurrect it
             await h.service.send("queued", receiver)
-        except RequestReleased:
-            pass
-        else:
-            raise AssertionError("a late /send resurrected an expired request")
         await h.settled()
 
 
