@@ -540,3 +540,22 @@ async def test_cancelling_the_service_nursery_still_deregisters(
     assert rig.sender.live_registrations == {}
     assert rig.sender.count("deregister", ok=True) == 1
     assert alive() is None
+
+
+async def test_retry_right_after_a_withdrawn_send_is_served(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Invariant 7: a client that disconnects and reconnects at once (before the withdrawn
+    attempt has even noticed) gets a fresh attempt, not the withdrawn one's outcome."""
+    async with lifecycle_rig() as rig:
+        encode, _ = rig.encoder("r1", seed=18, latency=5.0)
+        await rig.open("r1", encode, receive_count=1)
+        (a,) = await rig.landings(1)
+        scope = rig.registry.lookup("r1")
+        with trio.move_on_after(1.0):
+            await scope.send(a.receiver)
+        report = await scope.send(a.receiver)  # no checkpoint in between
+        assert report.receivers_done == 1
+        assert rig.sender.count("transfer") == 1
+        assert a.landed(NBYTES) == rig.expected["r1"]
+        await rig.assert_nothing_held()

@@ -211,7 +211,10 @@ class RequestScope:
         finally:
             attempt.waiters -= 1
             if attempt.waiters == 0 and not attempt.transferring and not attempt.done.is_set():
+                # Nobody waits and nothing moved yet: withdraw it, and let a retry start afresh.
                 attempt.withdraw.cancel()
+                if self._attempts.get(receiver) is attempt:
+                    del self._attempts[receiver]
         if attempt.error is not None:
             raise attempt.error
         assert self.shape is not None
