@@ -500,6 +500,13 @@ def _image_counts(ctx: click.Context, param: click.Parameter, value: str) -> tup
     show_default=True,
     help="Raw and served phases alternate this many times and are pooled.",
 )
+@click.option(
+    "--load-nice",
+    type=click.IntRange(0, 19),
+    default=10,
+    show_default=True,
+    help="Niceness of the process running the encoder rows' clients (the server is preferred).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead.")
 @engine_options
 @encoder_options
@@ -512,6 +519,7 @@ def bench(
     raw_seconds: float,
     settle_seconds: float,
     rounds: int,
+    load_nice: int,
     as_json: bool,
     **options: Any,
 ) -> None:
@@ -537,6 +545,7 @@ def bench(
             raw_seconds=raw_seconds,
             settle_seconds=settle_seconds,
             rounds=rounds,
+            load_nice=load_nice,
         )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc

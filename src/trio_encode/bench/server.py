@@ -7,20 +7,24 @@ in this process, with TP receiver ranks that each own a Mooncake engine and a la
   streams at once, against the same bytes moved by ``/send`` (every rank sends every req_id;
   the req_ids are encoded before the clock starts, so only the sends are timed, by a server
   of their own whose cache makes that cheap);
-- encoder: the model's forward in a loop at the server's batch size against ``/encode`` over
-  HTTP from N clients with distinct images (cache off, so every image is decoded and
-  encoded), each request then completed by a ``/send`` so no scope lingers;
-- a probe polling ``/health`` while the encoder is served, and the process's peak RSS.
+- encoder: the model's forward in a loop at the server's batch size (the same backend object
+  the server calls) against ``/encode`` over HTTP from N clients with distinct JPEGs (cache
+  off, so every image is decoded and encoded), each request then completed by a ``/send`` so
+  no scope lingers. The clients and their receiver ranks run in a child process
+  (:mod:`trio_encode.bench.load`) at a lower priority, as they would run on other machines
+  in a deployment: they do not share the server's GIL or event loop;
+- a probe polling ``/health`` from this process while the encoder is served (one request
+  per interval, so it costs the server little and is not slowed by the child's priority),
+  and the process's peak RSS.
 
 Raw and served phases alternate for ``rounds`` rounds and are pooled, so a neighbour's load
-that comes or goes skews both sides alike. The clients share this process and its cores with
-the server, so the served numbers are, if anything, pessimistic.
+that comes or goes skews both sides alike. The transfer rows' clients and ranks share this
+process and its cores with the server, so those served numbers are, if anything, pessimistic.
 """
 
 from __future__ import annotations
 
 import base64
-import json
 import math
 import resource
 import time
@@ -35,8 +39,8 @@ import torch
 import trio
 
 from trio_encode.bench.encoder import distinct_pngs, measure_raw_for
+from trio_encode.bench.load import LoadConfig, LoadProcess, open_load
 from trio_encode.client import EncodeClient, LandingPool, LandingSlot, metric_value
-from trio_encode.client.http import answer_of
 from trio_encode.encoder import EncoderSettings, ImageEncoder, VisionBackend, load_backend
 from trio_encode.engine.mooncake import MooncakeEngine, MooncakeSettings
 from trio_encode.server.metrics import Metrics
@@ -75,6 +79,8 @@ class BenchConfig:
     rounds: int = 3
     probe_interval: float = 0.05
     """Seconds between two /health probes."""
+    load_nice: int = 10
+    """Niceness added to the encoder rows' load process, so the server is preferred."""
 
     def __post_init__(self) -> None:
         counts = {
@@ -94,6 +100,8 @@ class BenchConfig:
         ):
             if not seconds > 0:
                 raise ValueError(f"{name} must be positive, got {seconds}")
+        if not 0 <= self.load_nice <= 19:
+            raise ValueError(f"load_nice must be in 0..19, got {self.load_nice}")
         if self.settle_seconds < 0 or not self.probe_interval > 0:
             raise ValueError("settle_seconds must be >= 0 and probe_interval positive")
 
@@ -138,6 +146,8 @@ class EncoderRow:
     raw_spread: tuple[float, float]
     """Slowest and fastest raw images/s of the rounds (their gap shows the noise)."""
     served_spread: tuple[float, float]
+    mean_image_bytes: float
+    """Mean size of the JPEGs the clients sent."""
 
     @property
     def raw_rate(self) -> float:
@@ -239,7 +249,8 @@ class BenchResult:
             f"  served: mean batch {e.mean_batch:.2f}, forward busy {e.forward_busy:.0%}, "
             f"forward alone {e.served_forward_rate:.1f} img/s; rounds raw "
             f"{e.raw_spread[0]:.1f}..{e.raw_spread[1]:.1f}, served "
-            f"{e.served_spread[0]:.1f}..{e.served_spread[1]:.1f} img/s",
+            f"{e.served_spread[0]:.1f}..{e.served_spread[1]:.1f} img/s; "
+            f"JPEGs of {_size(e.mean_image_bytes)} on average, clients in a separate process",
             f"/health every {h.interval * 1000:.0f} ms while encoding: {h.ok}/{h.probes} got 200, "
             f"p99 {h.p99_seconds * 1000:.1f} ms, max {h.max_seconds * 1000:.1f} ms",
             f"memory: peak RSS {self.peak_rss_bytes / 2**20:.0f} MiB "
@@ -510,24 +521,29 @@ class _ServedRound:
 
 async def _encoder_rows(rig: _Rig, batch_size: int) -> tuple[EncoderRow, ProbeRow]:
     config = rig.config
-    pngs = distinct_pngs(config.concurrency, rig.backend.preprocess.image_size)
-    items = [_data_uri(png) for png in pngs]
-    slots = [
-        rig.ranks[k % config.tp].allocate(rig.bytes_per_image) for k in range(config.concurrency)
-    ]
+    load_config = LoadConfig(
+        url=rig.running.url,
+        concurrency=config.concurrency,
+        tp=config.tp,
+        image_size=rig.backend.preprocess.image_size,
+        bytes_per_image=rig.bytes_per_image,
+        engine=config.engine,
+        nice=config.load_nice,
+    )
     raw_images, raw_seconds, raw_rates = 0, 0.0, []
     served: list[_ServedRound] = []
     latencies: list[float] = []
     statuses: list[int] = []
-    for round_ in range(config.rounds):
-        images, seconds = await trio.to_thread.run_sync(
-            partial(measure_raw_for, rig.backend, batch_size, config.raw_seconds / config.rounds)
-        )
-        raw_images, raw_seconds = raw_images + images, raw_seconds + seconds
-        raw_rates.append(images / seconds)
-        served.append(await _served_round(rig, items, slots, round_, latencies, statuses))
-    for slot in slots:
-        slot.release()
+    async with open_load(load_config) as load:
+        for _ in range(config.rounds):
+            images, seconds = await trio.to_thread.run_sync(
+                partial(
+                    measure_raw_for, rig.backend, batch_size, config.raw_seconds / config.rounds
+                )
+            )
+            raw_images, raw_seconds = raw_images + images, raw_seconds + seconds
+            raw_rates.append(images / seconds)
+            served.append(await _served_round(rig, load, latencies, statuses))
     batches = [batch for round_ in served for batch in round_.batches]
     encoder = EncoderRow(
         batch_size=batch_size,
@@ -544,6 +560,7 @@ async def _encoder_rows(rig: _Rig, batch_size: int) -> tuple[EncoderRow, ProbeRo
             min(r.images / r.seconds for r in served),
             max(r.images / r.seconds for r in served),
         ),
+        mean_image_bytes=load.mean_image_bytes,
     )
     probe = ProbeRow(
         interval=config.probe_interval,
@@ -556,38 +573,14 @@ async def _encoder_rows(rig: _Rig, batch_size: int) -> tuple[EncoderRow, ProbeRo
 
 
 async def _served_round(
-    rig: _Rig,
-    items: list[str],
-    slots: list[LandingSlot],
-    round_: int,
-    latencies: list[float],
-    statuses: list[int],
+    rig: _Rig, load: LoadProcess, latencies: list[float], statuses: list[int]
 ) -> _ServedRound:
-    """N clients loop /encode + /send with their own image; the images whose /encode answered
+    """The load process's clients loop /encode + /send; the images whose /encode answered
     inside the window count. Stopping lets each client finish its request, so no scope is
     left behind to expire."""
     config = rig.config
-    done = 0
+    result = _ServedRound()
     stopping = trio.Event()
-
-    async def client(k: int) -> None:
-        nonlocal done
-        http, raw, slot = rig.clients[k % config.tp], rig.http[k % config.tp], slots[k]
-        session_id = rig.ranks[k % config.tp].session_id
-        # The image part of the body is serialised once: the clients share this process's
-        # cores and GIL with the server, and re-encoding 200 kB of JSON per request would
-        # charge the server for work that a real prefill rank does on its own machine.
-        head = (
-            b'{"modality":"IMAGE","receive_count":1,"mm_items":' + json.dumps([items[k]]).encode()
-        )
-        i = 0
-        while not stopping.is_set():
-            req_id = f"bench-encode-{round_}-{k}-{i}"
-            i += 1
-            body = head + b',"req_id":' + json.dumps(req_id).encode() + b"}"
-            answer_of(await raw.post("/encode", content=body, headers=_JSON))
-            done += 1
-            await http.send(req_id, session_id, slot.address)
 
     async def probe(http: httpx.AsyncClient) -> None:
         while not stopping.is_set():
@@ -597,18 +590,19 @@ async def _served_round(
             statuses.append(response.status_code)
             await trio.sleep(config.probe_interval)
 
-    result = _ServedRound()
     async with (
         httpx.AsyncClient(base_url=rig.running.url, timeout=30) as probe_http,
         trio.open_nursery() as nursery,
     ):
+        await load.start()
         nursery.start_soon(probe, probe_http)
-        for k in range(config.concurrency):
-            nursery.start_soon(client, k)
         await trio.sleep(config.settle_seconds)
-        first_batch, before, start = len(rig.metrics.batches), done, time.perf_counter()
+        first_batch, before = len(rig.metrics.batches), await load.encoded()
+        start = time.perf_counter()
         await trio.sleep(config.served_seconds / config.rounds)
-        result.images, result.seconds = done - before, time.perf_counter() - start
+        after, result.seconds = await load.encoded(), time.perf_counter() - start
+        result.images = after - before
         result.batches = rig.metrics.batches[first_batch:]
         stopping.set()
+        await load.stop()
     return result

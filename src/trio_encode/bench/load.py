@@ -1,0 +1,272 @@
+"""The encoder rows' load generator, in a process of its own.
+
+In a deployment the clients calling ``/encode`` and the prefill ranks receiving the
+embeddings run on other machines. Run in the server's process they would share its GIL and
+event loop, and charge their own HTTP and Mooncake work to the server. So the bench starts
+this module as a child process (at a lower OS priority, so the server is preferred for the
+cores they still share): it opens its own receiver ranks and runs N clients looping
+``/encode`` then ``/send`` with natural-looking JPEGs, driven by one-line commands on stdin:
+
+- ``start``: start the clients;
+- ``mark``: answer how many ``/encode`` calls have answered so far;
+- ``stop``: let each client finish its request, then answer;
+- ``exit``: close the ranks and leave.
+
+The first line on stdin is a :class:`LoadConfig` as JSON; the child answers ``ready`` once
+its ranks and images are prepared. Answers are JSON lines on stdout.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import httpx
+import numpy as np
+import trio
+from PIL import Image, ImageDraw, ImageFilter
+
+from trio_encode.client import EncodeClient, LandingPool, LandingSlot
+from trio_encode.client.http import answer_of
+from trio_encode.engine.mooncake import MooncakeEngine, MooncakeSettings
+
+_JSON = {"Content-Type": "application/json"}
+IMAGES_PER_CLIENT = 8
+"""Distinct images each client cycles through, so no two requests in flight repeat one."""
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    url: str
+    concurrency: int
+    tp: int
+    image_size: int
+    bytes_per_image: int
+    engine: MooncakeSettings
+    nice: int = 10
+    """Added to the child's niceness: the server's process is preferred for the cores."""
+    seed: int = 0
+
+
+def natural_jpegs(count: int, side: int, seed: int = 0, quality: int = 92) -> list[bytes]:
+    """``count`` different ``side`` x ``side`` JPEGs that compress like photos.
+
+    Random noise does not compress (a 224x224 noise PNG is ~150 kB) and costs the server
+    more to receive and decode than a photo (~10-30 kB at that size). These are a smooth
+    two-colour gradient, a few blurred ellipses and rectangles, and mild Gaussian noise
+    (sigma 6), as JPEG at quality 92, seeded so every run sends the same bytes.
+    """
+    rng = np.random.default_rng(seed)
+    ramp = np.linspace(0.0, 1.0, side, dtype=np.float32)
+    images = []
+    for _ in range(count):
+        start, end = rng.uniform(0, 255, (2, 3)).astype(np.float32)
+        angle = rng.uniform(0, 2 * np.pi)
+        t = np.clip(
+            0.5 + (np.cos(angle) * (ramp[None, :] - 0.5) + np.sin(angle) * (ramp[:, None] - 0.5)),
+            0.0,
+            1.0,
+        )
+        base = start + (end - start) * t[..., None]
+        picture = Image.fromarray(base.astype(np.uint8))
+        draw = ImageDraw.Draw(picture)
+        for _ in range(int(rng.integers(3, 7))):
+            x0, y0 = rng.uniform(0, side * 0.8, 2)
+            w, h = rng.uniform(side * 0.1, side * 0.5, 2)
+            fill = tuple(int(c) for c in rng.integers(0, 256, 3))
+            box = (x0, y0, min(side, x0 + w), min(side, y0 + h))
+            (draw.ellipse if rng.random() < 0.5 else draw.rectangle)(box, fill=fill)
+        picture = picture.filter(ImageFilter.GaussianBlur(1.5))
+        noisy = np.asarray(picture, dtype=np.float32) + rng.normal(0, 6, (side, side, 3))
+        buffer = io.BytesIO()
+        Image.fromarray(np.clip(noisy, 0, 255).astype(np.uint8)).save(
+            buffer, format="JPEG", quality=quality
+        )
+        images.append(buffer.getvalue())
+    return images
+
+
+def _item_json(jpeg: bytes) -> bytes:
+    return json.dumps(["data:image/jpeg;base64," + base64.b64encode(jpeg).decode()]).encode()
+
+
+class _Lines:
+    """Newline-separated messages over a byte stream."""
+
+    def __init__(self, receive: trio.abc.ReceiveStream, send: trio.abc.SendStream) -> None:
+        self._receive, self._send, self._buffer = receive, send, b""
+
+    async def read(self) -> str:
+        while b"\n" not in self._buffer:
+            chunk = await self._receive.receive_some(1 << 16)
+            if not chunk:
+                raise EOFError("the other side closed the stream")
+            self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return line.decode()
+
+    async def write(self, line: str) -> None:
+        await self._send.send_all(line.encode() + b"\n")
+
+
+# -- the child ----------------------------------------------------------------------------------
+
+
+async def _child(lines: _Lines) -> None:
+    raw = json.loads(await lines.read())
+    config = LoadConfig(**{**raw, "engine": MooncakeSettings(**raw["engine"])})
+    os.nice(config.nice)
+    jpegs = natural_jpegs(config.concurrency * IMAGES_PER_CLIENT, config.image_size, config.seed)
+    items = [_item_json(jpeg) for jpeg in jpegs]
+    per_rank = -(-config.concurrency // config.tp)
+    async with AsyncExitStack() as stack:
+        pools = []
+        for _ in range(config.tp):
+            engine = await MooncakeEngine.create(config.engine)
+            pool_bytes = per_rank * (config.bytes_per_image + 64) + 64
+            pools.append(await stack.enter_async_context(LandingPool.open(engine, pool_bytes)))
+        slots = [
+            pools[k % config.tp].allocate(config.bytes_per_image) for k in range(config.concurrency)
+        ]
+        http = [
+            await stack.enter_async_context(httpx.AsyncClient(base_url=config.url, timeout=300))
+            for _ in range(config.tp)
+        ]
+        await lines.write(json.dumps({"ready": sum(map(len, jpegs)) / len(jpegs)}))
+        round_ = 0
+        while (command := await lines.read()) == "start":
+            await _child_round(lines, config, items, pools, slots, http, round_)
+            await lines.write(json.dumps({"stopped": round_}))
+            round_ += 1
+        if command != "exit":
+            raise ValueError(f"unknown command {command!r}")
+
+
+async def _child_round(
+    lines: _Lines,
+    config: LoadConfig,
+    items: list[bytes],
+    pools: list[LandingPool],
+    slots: list[LandingSlot],
+    http: list[httpx.AsyncClient],
+    round_: int,
+) -> None:
+    """Clients run until ``stop``; each ``mark`` meanwhile answers the count."""
+    done = 0
+    stopping = trio.Event()
+
+    async def client(k: int) -> None:
+        nonlocal done
+        pool, slot = pools[k % config.tp], slots[k]
+        raw, sender = http[k % config.tp], EncodeClient(config.url, http=http[k % config.tp])
+        i = 0
+        while not stopping.is_set():
+            req_id = f"bench-encode-{round_}-{k}-{i}"
+            item = items[(k + i * config.concurrency) % len(items)]
+            i += 1
+            body = (
+                b'{"modality":"IMAGE","receive_count":1,"mm_items":'
+                + item
+                + b',"req_id":'
+                + json.dumps(req_id).encode()
+                + b"}"
+            )
+            answer_of(await raw.post("/encode", content=body, headers=_JSON))
+            done += 1
+            await sender.send(req_id, pool.session_id, slot.address)
+
+    async with trio.open_nursery() as nursery:
+        for k in range(config.concurrency):
+            nursery.start_soon(client, k)
+        while (command := await lines.read()) == "mark":
+            await lines.write(json.dumps({"done": done}))
+        if command != "stop":
+            raise ValueError(f"unknown command {command!r}")
+        stopping.set()
+
+
+async def _child_main() -> None:
+    stdin = trio.lowlevel.FdStream(os.dup(sys.stdin.fileno()))
+    stdout = trio.lowlevel.FdStream(os.dup(sys.stdout.fileno()))
+    async with stdin, stdout:
+        await _child(_Lines(stdin, stdout))
+
+
+# -- the parent's handle -----------------------------------------------------------------------
+
+
+class LoadProcess:
+    """The parent's side of a running load process."""
+
+    def __init__(self, process: trio.Process, lines: _Lines, mean_image_bytes: float) -> None:
+        self._process = process
+        self._lines = lines
+        self.mean_image_bytes = mean_image_bytes
+        """Mean size of the JPEGs the clients send."""
+
+    async def _ask(self, command: str) -> Any:
+        await self._lines.write(command)
+        try:
+            return json.loads(await self._lines.read())
+        except EOFError:
+            await self._process.wait()
+            raise RuntimeError(
+                f"the bench's load process exited with {self._process.returncode}"
+            ) from None
+
+    async def start(self) -> None:
+        """Start the clients."""
+        await self._lines.write("start")
+
+    async def encoded(self) -> int:
+        """/encode calls answered since :meth:`start`."""
+        return int((await self._ask("mark"))["done"])
+
+    async def stop(self) -> None:
+        """Return once every client has finished its request and stopped."""
+        await self._ask("stop")
+
+
+@asynccontextmanager
+async def open_load(config: LoadConfig) -> AsyncIterator[LoadProcess]:
+    """Start the load process and wait until its ranks and images are ready."""
+    process = await trio.lowlevel.open_process(
+        [sys.executable, "-m", "trio_encode.bench.load"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    assert process.stdin is not None
+    assert process.stdout is not None
+    lines = _Lines(process.stdout, process.stdin)
+    try:
+        await lines.write(json.dumps(asdict(config)))
+        try:
+            ready = json.loads(await lines.read())
+        except EOFError:
+            await process.wait()
+            raise RuntimeError(
+                f"the bench's load process exited with {process.returncode}"
+            ) from None
+        yield LoadProcess(process, lines, float(ready["ready"]))
+        await lines.write("exit")
+        with trio.fail_after(30):
+            await process.wait()
+    finally:
+        with trio.CancelScope(shield=True):
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+            await process.stdin.aclose()
+            await process.stdout.aclose()
+
+
+if __name__ == "__main__":
+    trio.run(_child_main)
