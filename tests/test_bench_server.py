@@ -6,12 +6,15 @@ timings on a shared 2-core machine say nothing in a test.
 
 from __future__ import annotations
 
+import io
 import json
 import math
 
 import trio
 from click.testing import CliRunner
+from PIL import Image
 
+from trio_encode.bench.load import natural_jpegs
 from trio_encode.bench.server import BenchConfig, BenchResult, run_bench
 from trio_encode.cli import cli
 from trio_encode.encoder import EncoderSettings
@@ -58,6 +61,7 @@ def test_bench_measures_every_row_and_leaves_nothing_behind() -> None:
     assert table.count(" x 2 ranks") == 2  # one line per transfer row
     assert "encoder B=2, 3 clients" in table
     assert "/health every 50 ms" in table
+    assert "clients in a separate process" in table
     assert "peak RSS" in table
     json.dumps(result.to_json())  # serialisable as is
 
@@ -80,3 +84,15 @@ def test_bench_refuses_a_bad_image_count() -> None:
     result = CliRunner().invoke(cli, ["bench", "--transfer-images", "1,0"])
     assert result.exit_code == 2
     assert "--transfer-images" in result.output
+
+
+def test_the_load_images_are_distinct_jpegs_that_compress_like_photos() -> None:
+    images = natural_jpegs(6, 224, seed=5)
+    assert len(set(images)) == 6
+    assert natural_jpegs(6, 224, seed=5) == images  # seeded: the same every run
+    for data in images:
+        picture = Image.open(io.BytesIO(data))
+        assert picture.format == "JPEG"
+        assert picture.size == (224, 224)
+        # A 224x224 noise PNG is ~150 kB; a photo of that size is ~10-30 kB.
+        assert 5_000 < len(data) < 40_000
