@@ -503,9 +503,9 @@ def _image_counts(ctx: click.Context, param: click.Parameter, value: str) -> tup
 @click.option(
     "--load-nice",
     type=click.IntRange(0, 19),
-    default=10,
+    default=0,
     show_default=True,
-    help="Niceness of the process running the encoder rows' clients (the server is preferred).",
+    help="Niceness added to the process running the encoder rows' clients.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead.")
 @engine_options

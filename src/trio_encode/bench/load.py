@@ -3,9 +3,10 @@
 In a deployment the clients calling ``/encode`` and the prefill ranks receiving the
 embeddings run on other machines. Run in the server's process they would share its GIL and
 event loop, and charge their own HTTP and Mooncake work to the server. So the bench starts
-this module as a child process (at a lower OS priority, so the server is preferred for the
-cores they still share): it opens its own receiver ranks and runs N clients looping
-``/encode`` then ``/send`` with natural-looking JPEGs, driven by one-line commands on stdin:
+this module as a child process (its niceness is an option; raising it to 10 made the
+served forward slower, not faster, on 2 cores): it opens its own receiver ranks and runs
+N clients looping ``/encode`` then ``/send`` with natural-looking JPEGs, driven by one-line
+commands on stdin:
 
 - ``start``: start the clients;
 - ``mark``: answer how many ``/encode`` calls have answered so far;
@@ -51,8 +52,8 @@ class LoadConfig:
     image_size: int
     bytes_per_image: int
     engine: MooncakeSettings
-    nice: int = 10
-    """Added to the child's niceness: the server's process is preferred for the cores."""
+    nice: int = 0
+    """Added to the child's niceness."""
     seed: int = 0
 
 
