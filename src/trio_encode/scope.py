@@ -297,7 +297,8 @@ class RequestScope:
             if len(self._done) >= self.receive_count:
                 self._finish("completed")
         except EngineError as exc:
-            self._observer.engine_error(exc.call, exc.code)
+            if exc.call == "transfer":  # the ledger counts its own register failures
+                self._observer.engine_error(exc.call, exc.code)
             log.error("send failed: %s", exc, extra={"req_id": self.req_id})
             attempt.error = exc
         except RequestError as exc:
