@@ -17,7 +17,7 @@ from typing import Protocol
 import trio
 
 from trio_encode.engine import TransferEngine
-from trio_encode.errors import InvalidInput
+from trio_encode.errors import InvalidInput, ShuttingDown
 from trio_encode.observer import LifecycleObserver, NullObserver
 from trio_encode.registrations import RegistrationLedger
 from trio_encode.scope import (
@@ -137,6 +137,8 @@ class EncodeService:
         """Run the encoder once for ``req_id``; siblings share the run and its answer."""
         scope = self.registry.get(req_id)
         if scope is None:
+            if self.registry.closed:
+                raise ShuttingDown("the server is shutting down", req_id=req_id)
             # Check the input before a scope exists: bad input must leave nothing behind.
             images = await self.encoder.load_items(mm_items)
             if not images:
