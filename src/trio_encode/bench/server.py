@@ -294,6 +294,12 @@ def _percentile(values: list[float], q: float) -> float:
 _JSON = {"Content-Type": "application/json"}
 
 
+async def _deregister_shielded(engine: MooncakeEngine, address: int) -> None:
+    """Cleanup that a cancelled bench must still finish."""
+    with trio.CancelScope(shield=True):
+        await engine.deregister(address)
+
+
 def _data_uri(png: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(png).decode()
 
@@ -347,7 +353,7 @@ async def _open_rig(
         ]
         clients = [EncodeClient(running.url, http=pool) for pool in http]
         await engine.register(int(source.data_ptr()), source.numel())
-        stack.push_async_callback(engine.deregister, int(source.data_ptr()))
+        stack.push_async_callback(_deregister_shielded, engine, int(source.data_ptr()))
         yield _Rig(
             config=config,
             running=running,
