@@ -63,6 +63,26 @@ def test_grayscale_and_alpha_images_become_rgb() -> None:
         assert decode_image(buffer.getvalue(), PRE, max_pixels=100).shape == (3, 16, 16)
 
 
+def test_exif_orientation_is_applied() -> None:
+    """A phone photo stored sideways with an EXIF Orientation tag is seen upright."""
+    sideways = Image.new("RGB", (16, 8), (0, 0, 0))
+    sideways.paste((255, 255, 255), (0, 0, 8, 8))  # white on the left
+    exif = Image.Exif()
+    exif[0x0112] = 6  # Orientation: rotate 90 degrees clockwise to display
+    tagged, upright = io.BytesIO(), io.BytesIO()
+    sideways.save(tagged, format="PNG", exif=exif)
+    sideways.transpose(Image.Transpose.ROTATE_270).save(upright, format="PNG")
+    seen = decode_image(tagged.getvalue(), PRE, max_pixels=10_000)
+    assert torch.equal(seen, decode_image(upright.getvalue(), PRE, max_pixels=10_000))
+    assert not torch.equal(seen, decode_image(_untagged(sideways), PRE, max_pixels=10_000))
+
+
+def _untagged(image: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
 def test_center_crop_keeps_the_middle() -> None:
     image = Image.new("RGB", (48, 16), (0, 0, 0))
     image.paste((255, 255, 255), (16, 0, 32, 16))

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from trio_encode.errors import InvalidInput
 
@@ -123,6 +123,8 @@ def decode_image(data: bytes, preprocess: Preprocess, *, max_pixels: int) -> tor
         try:
             # JPEG can decode at 1/2..1/8 scale directly; never below the size we need.
             image.draft("RGB", (preprocess.image_size, preprocess.image_size))
+            # Cameras store rotation in EXIF; the model must see the photo upright.
+            ImageOps.exif_transpose(image, in_place=True)
             rgb = image.convert("RGB")
         except (Image.DecompressionBombError, Image.DecompressionBombWarning):
             raise InvalidInput(_bomb((width, height), max_pixels)) from None
