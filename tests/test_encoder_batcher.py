@@ -376,3 +376,150 @@ async def test_warm_up_runs_before_ready(autojump_clock: trio.testing.MockClock)
     info = encoder.info
     assert (info.tokens_per_image, info.hidden_size, info.dtype) == (2, 3, "float32")
     assert info.bytes_per_image == 2 * 3 * 4
+
+
+# -- one job per image while it is queued or running -----------------------------------------
+
+
+@pytest.mark.parametrize("cache_bytes", [0, 1 << 20])
+async def test_concurrent_requests_with_the_same_image_encode_it_once(
+    autojump_clock: trio.testing.MockClock, cache_bytes: int
+) -> None:
+    encoder, backend, _ = make(replace(SETTINGS, cache_bytes=cache_bytes))
+    results: dict[str, Embedding] = {}
+
+    async def one(name: str, reds_: list[int]) -> None:
+        results[name] = await encoder.encode([image(r) for r in reds_])
+
+    async with serving(encoder), trio.open_nursery() as nursery:
+        nursery.start_soon(one, "a", [5])
+        nursery.start_soon(one, "b", [5])
+        nursery.start_soon(one, "mixed", [5, 6, 5])  # shared, its own, and its own duplicate
+    assert [sorted(batch) for batch in backend.batches] == [[5, 6]]
+    assert reds(results["a"]) == reds(results["b"]) == [5, 5]
+    assert reds(results["mixed"]) == [5, 5, 6, 6, 5, 5]
+    # The shared row is one tensor: the registration ledger leases identical ranges.
+    assert results["a"].tensor is results["b"].tensor
+    assert encoder._in_flight == {}
+    assert encoder.queued_images == 0
+
+
+async def test_an_image_queued_while_another_request_decoded_it_is_joined(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async def slow_decode(fn: Callable[[], T]) -> T:
+        await trio.sleep(0.001)
+        return fn()
+
+    encoder = ImageEncoder(FakeBackend(), SETTINGS, run_decode=slow_decode, run_forward=inline)
+    backend = encoder.backend
+    assert isinstance(backend, FakeBackend)
+    results: list[Embedding] = []
+
+    async def one() -> None:
+        results.append(await encoder.encode([image(5)]))
+
+    async with serving(encoder), trio.open_nursery() as nursery:
+        nursery.start_soon(one)  # both miss the in-flight map and decode image 5
+        nursery.start_soon(one)
+    assert backend.batches == [[5]]
+    assert [reds(e) for e in results] == [[5, 5], [5, 5]]
+    assert encoder._in_flight == {}
+
+
+async def test_first_requester_cancelled_while_queued_leaves_the_job_to_the_second(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    encoder, backend, _ = make(replace(SETTINGS, max_batch_size=1))
+    results: list[Embedding] = []
+
+    async def second() -> None:
+        results.append(await encoder.encode([image(2)]))
+
+    async with serving(encoder):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(encoder.encode, [image(1)])
+            await trio.sleep(0.1)  # image 1 is in the forward until 1.01
+            with trio.move_on_after(0.3) as scope:
+                nursery.start_soon(second)
+                await encoder.encode([image(2)])
+            assert scope.cancelled_caught
+            assert encoder.queued_images == 1  # still queued: the second request waits for it
+        assert encoder._in_flight == {}
+        assert encoder.queued_images == 0
+    assert backend.batches == [[1], [2]]
+    assert [reds(e) for e in results] == [[2, 2]]
+
+
+async def test_every_requester_cancelled_while_queued_withdraws_the_shared_job(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    encoder, backend, _ = make(replace(SETTINGS, max_batch_size=1))
+    async with serving(encoder):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(encoder.encode, [image(1)])
+            await trio.sleep(0.1)  # image 1 is in the forward until 1.01
+            with trio.move_on_after(0.3):
+                async with trio.open_nursery() as requesters:
+                    requesters.start_soon(encoder.encode, [image(2)])
+                    requesters.start_soon(encoder.encode, [image(2), image(3)])
+            assert encoder.queued_images == 0
+            assert len(encoder._in_flight) == 1  # only image 1's job, still running
+        await trio.sleep(5)
+        assert encoder._in_flight == {}
+    assert backend.batches == [[1]]
+
+
+async def test_model_failure_reaches_every_request_waiting_on_the_job(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    encoder, backend, events = make()
+    errors: list[EncodeFailed] = []
+
+    async def one() -> None:
+        with pytest.raises(EncodeFailed, match="out of cheese") as info:
+            await encoder.encode([image(4)])
+        errors.append(info.value)
+
+    async with serving(encoder):
+        backend.fail = True
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(one)
+            nursery.start_soon(one)
+        assert len(errors) == 2
+        assert encoder._in_flight == {}
+        backend.fail = False
+        assert reds(await encoder.encode([image(4)])) == [4, 4]  # a new job, not the failed one
+    assert events.batches == [(1, False), (1, True)]
+
+
+async def test_a_shared_image_counts_once_against_the_queue(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    encoder, backend, events = make(replace(SETTINGS, max_batch_size=1, queue_size=3))
+    results: list[Embedding] = []
+
+    async def sharer() -> None:
+        results.append(await encoder.encode([image(2), image(4)]))
+
+    async with serving(encoder):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(encoder.encode, [image(1)])
+            await trio.sleep(0.1)  # image 1 is in the forward until 1.01
+            with trio.move_on_after(0.3):
+                async with trio.open_nursery() as first:
+                    first.start_soon(encoder.encode, [image(2), image(3)])
+                    await trio.sleep(0.1)
+                    assert encoder.queued_images == 2
+                    nursery.start_soon(sharer)  # only image 4 is new: 3 of 3
+                    await trio.sleep(0.1)
+                    assert encoder.queued_images == 3
+                    with pytest.raises(Overloaded, match="queue is full"):
+                        await encoder.encode([image(5)])
+            # The first request is gone: image 3 left the queue, image 2 stays for the sharer.
+            assert encoder.queued_images == 2
+        assert encoder.queued_images == 0
+        assert encoder._in_flight == {}
+    assert events.rejections == [1]
+    assert backend.batches == [[1], [2], [4]]
+    assert [reds(e) for e in results] == [[2, 2, 4, 4]]

@@ -5,8 +5,11 @@ Callers queue their images; the long-lived :meth:`ImageEncoder.run` task takes u
 fill), runs the model in a worker thread and hands each request its rows. The thread is never
 abandoned: a cancelled caller waits for it, so no tensor is freed while the model writes it.
 
-A caller cancelled while its images are still queued takes them out of the queue (they are
-never encoded); one cancelled while its batch runs simply does not receive the result.
+An image (by content key) that is already queued or in a forward is not queued again: a
+second request waits for the same job and gets the same row. A caller cancelled while its
+images are still queued takes them out of the queue unless another request still waits for
+them (they are never encoded for nobody); one cancelled while its batch runs simply does not
+receive the result.
 """
 
 from __future__ import annotations
@@ -69,6 +72,14 @@ class _Request:
     remaining: int
     done: trio.Event = field(default_factory=trio.Event)
     error: RequestError | None = None
+    jobs: set[_Job] = field(default_factory=set)  # what it waits on, to withdraw from
+
+    def deliver(self, index: int, row: torch.Tensor) -> None:
+        if not self.done.is_set():
+            self.results[index] = row
+            self.remaining -= 1
+            if self.remaining == 0:
+                self.done.set()
 
     def fail(self, error: RequestError) -> None:
         if not self.done.is_set():
@@ -78,14 +89,21 @@ class _Request:
 
 @dataclass(eq=False)
 class _Job:
-    """One image waiting for (or in) a forward pass."""
+    """One image waiting for (or in) a forward pass, shared by every request that needs it."""
 
-    request: _Request
-    index: int
     key: CacheKey
     pixels: torch.Tensor
     enqueued_at: float
+    waiters: list[tuple[_Request, int]] = field(default_factory=list)  # (request, its index)
     queued: bool = True
+
+    def deliver(self, row: torch.Tensor) -> None:
+        for request, index in self.waiters:
+            request.deliver(index, row)
+
+    def fail(self, error: RequestError) -> None:
+        for request, _ in self.waiters:
+            request.fail(error)
 
 
 class ImageEncoder:
@@ -112,6 +130,9 @@ class ImageEncoder:
         self._run_decode: ThreadRunner = run_decode or self._decode_in_thread
         self._run_forward: ThreadRunner = run_forward or self._forward_in_thread
         self._queue: deque[_Job] = deque()
+        # Every queued or running job by its image, so a request needing the same image joins
+        # it instead of encoding it again.
+        self._in_flight: dict[CacheKey, _Job] = {}
         self._reserved = 0  # images admitted and still being decoded
         self._changed = trio.Event()
         self._running = False
@@ -206,38 +227,83 @@ class ImageEncoder:
         results: list[torch.Tensor | None],
         missing: list[int],
     ) -> None:
-        count = len(missing)
+        shared = [i for i in missing if keys[i] in self._in_flight]
+        own = [i for i in missing if keys[i] not in self._in_flight]
+        to_decode: dict[CacheKey, int] = {}  # one index per new image; duplicates share it
+        for index in own:
+            to_decode.setdefault(keys[index], index)
+        count = len(to_decode)
         if self.queued_images + count > self.settings.queue_size:
             self.observer.rejected(count)
             raise Overloaded(
                 f"the encoder queue is full ({self.queued_images} of "
                 f"{self.settings.queue_size} images waiting); retry later"
             )
-        self._reserved += count
+        request = _Request(results, remaining=len(missing))
         try:
-            pixels = await self._run_decode(partial(self._decode, items, missing))
-        finally:
-            self._reserved -= count
-        if not self._running:
-            raise self._not_running()
-        request = _Request(results, remaining=count)
-        now = trio.current_time()
-        jobs = [
-            _Job(request, index, keys[index], tensor, now)
-            for index, tensor in zip(missing, pixels, strict=True)
-        ]
-        self._queue.extend(jobs)
-        self._changed.set()
-        try:
+            # Join before decoding, so a shared job that finishes meanwhile still delivers.
+            for index in shared:
+                self._wait_for(self._in_flight[keys[index]], request, index)
+            if to_decode:
+                pixels = await self._decode_reserved(items, list(to_decode.values()))
+                if not self._running:
+                    raise self._not_running()
+                self._queue_jobs(request, keys, own, dict(zip(to_decode, pixels, strict=True)))
             await request.done.wait()
         finally:
-            # Cancelled while queued: leave nothing behind, and never encode for nobody.
-            for job in jobs:
-                if job.queued:
-                    self._queue.remove(job)
-                    job.queued = False
+            self._withdraw(request)
         if request.error is not None:
             raise request.error
+
+    async def _decode_reserved(
+        self, items: Sequence[bytes], indices: list[int]
+    ) -> list[torch.Tensor]:
+        """Decode, holding the images' places in the queue so concurrent admissions count them."""
+        self._reserved += len(indices)
+        try:
+            return await self._run_decode(partial(self._decode, items, indices))
+        finally:
+            self._reserved -= len(indices)
+
+    def _queue_jobs(
+        self,
+        request: _Request,
+        keys: list[CacheKey],
+        indices: list[int],
+        pixels: dict[CacheKey, torch.Tensor],
+    ) -> None:
+        """Wait for each image's job, queueing one only where no request queued it meanwhile
+        (while this one decoded)."""
+        now = trio.current_time()
+        for index in indices:
+            job = self._in_flight.get(keys[index])
+            if job is None:
+                job = _Job(keys[index], pixels[keys[index]], now)
+                self._in_flight[job.key] = job
+                self._queue.append(job)
+                self._changed.set()
+            self._wait_for(job, request, index)
+
+    @staticmethod
+    def _wait_for(job: _Job, request: _Request, index: int) -> None:
+        job.waiters.append((request, index))
+        request.jobs.add(job)
+
+    def _withdraw(self, request: _Request) -> None:
+        """The request no longer waits (done, failed or cancelled). A queued job nobody waits
+        for any more leaves the queue: it is never encoded for nobody."""
+        for job in request.jobs:
+            job.waiters = [(r, i) for r, i in job.waiters if r is not request]
+            if job.queued and not job.waiters:
+                self._queue.remove(job)
+                job.queued = False
+                self._forget(job)
+        request.jobs.clear()
+
+    def _forget(self, job: _Job) -> None:
+        """Drop the job from the in-flight map (unless a newer job for its image took its place)."""
+        if self._in_flight.get(job.key) is job:
+            del self._in_flight[job.key]
 
     def _decode(self, items: Sequence[bytes], indices: list[int]) -> list[torch.Tensor]:
         pixels = []
@@ -283,7 +349,8 @@ class ImageEncoder:
             while self._queue:
                 job = self._queue.popleft()
                 job.queued = False
-                job.request.fail(ShuttingDown("the encoder stopped before this request ran"))
+                self._forget(job)
+                job.fail(ShuttingDown("the encoder stopped before this request ran"))
 
     async def _next_batch(self) -> list[_Job]:
         limit = self.settings.max_batch_size
@@ -317,7 +384,8 @@ class ImageEncoder:
             self.observer.batch_finished(len(batch), 0.0, ok=False)
             log.exception("vision encoder failed on a batch of %d images", len(batch))
             for job in batch:
-                job.request.fail(
+                self._forget(job)
+                job.fail(
                     EncodeFailed(
                         f"the vision encoder failed on a batch of {len(batch)} images: "
                         f"{type(exc).__name__}: {exc}"
@@ -326,19 +394,15 @@ class ImageEncoder:
             return
         except BaseException:
             for job in batch:
-                job.request.fail(ShuttingDown("the encoder stopped while this request ran"))
+                self._forget(job)
+                job.fail(ShuttingDown("the encoder stopped while this request ran"))
             raise
         self.observer.batch_finished(len(batch), seconds, ok=True)
         for job, row in zip(batch, rows, strict=True):
+            self._forget(job)
             if self._cache is not None:
                 self._cache.put(job.key, row)
-            request = job.request
-            if request.done.is_set():
-                continue
-            request.results[job.index] = row
-            request.remaining -= 1
-            if request.remaining == 0:
-                request.done.set()
+            job.deliver(row)
         if self._cache is not None:
             self.observer.cache_size(self._cache.nbytes, len(self._cache))
 
