@@ -43,9 +43,9 @@ MUTANTS: dict[str, tuple[str, str, str]] = {
     ),
     "transfer errors swallowed (story 3)": (
         "scope.py",
-        "        except EngineError as exc:\n            self._observer.engine_error",
+        "        except EngineError as exc:\n            if exc.call",
         "        except BaseException:\n            pass\n        except EngineError as exc:\n"
-        "            self._observer.engine_error",
+        "            if exc.call",
     ),
     "transfer runs in the handler, not the scope (story 6)": (
         "scope.py",
