@@ -523,3 +523,37 @@ async def test_a_shared_image_counts_once_against_the_queue(
     assert events.rejections == [1]
     assert backend.batches == [[1], [2], [4]]
     assert [reds(e) for e in results] == [[2, 2, 4, 4]]
+
+
+async def test_caller_cancelled_during_its_decode_sees_cancelled_not_shutting_down(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The encoder stops while a cancelled caller's decode thread still runs: when the thread
+    returns, the caller gets its cancellation, not a ShuttingDown it would have to handle."""
+
+    async def thread_like_decode(fn: Callable[[], T]) -> T:
+        with trio.CancelScope(shield=True):  # a started thread runs to its end
+            await trio.sleep(1.0)
+        return fn()
+
+    backend = FakeBackend()
+    encoder = ImageEncoder(
+        backend, SETTINGS, run_decode=thread_like_decode, run_forward=SlowForward()
+    )
+    outcome: list[BaseException] = []
+
+    async def caller() -> None:
+        try:
+            await encoder.encode([image(1)])
+        except BaseException as exc:
+            outcome.append(exc)
+            raise
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(encoder.run)
+        nursery.start_soon(caller)
+        await trio.sleep(1.5)  # the content-key decode is done; the pixel decode is running
+        nursery.cancel_scope.cancel()  # stops the encoder and cancels the caller together
+    assert len(outcome) == 1
+    assert isinstance(outcome[0], trio.Cancelled)
+    assert backend.batches == []

@@ -246,6 +246,9 @@ class ImageEncoder:
                 self._wait_for(self._in_flight[keys[index]], request, index)
             if to_decode:
                 pixels = await self._decode_reserved(items, list(to_decode.values()))
+                # A caller cancelled while its decode thread ran learns that first; only a
+                # caller still wanted hears that the encoder stopped meanwhile.
+                await trio.lowlevel.checkpoint_if_cancelled()
                 if not self._running:
                     raise self._not_running()
                 self._queue_jobs(request, keys, own, dict(zip(to_decode, pixels, strict=True)))
