@@ -28,18 +28,23 @@ from trio_encode.errors import (
 )
 
 _ERRORS: dict[int, type[RequestError]] = {
-    400: InvalidInput,
-    404: UnknownRequest,
-    409: ReceiveCountConflict,
-    410: RequestReleased,
-    500: EncodeFailed,
-    504: ScopeExpired,
+    cls.status: cls
+    for cls in (
+        InvalidInput,
+        UnknownRequest,
+        ReceiveCountConflict,
+        RequestReleased,
+        EncodeFailed,
+        ScopeExpired,
+    )
 }
 _ENGINE_CODE = re.compile(r"failed with code (-?\d+)")
 
 
 class TransferFailed(RequestError):
     """502: the server's transfer engine refused (``code`` is the engine's return code)."""
+
+    status = 502
 
     def __init__(self, message: str, *, req_id: str | None = None, code: int | None) -> None:
         super().__init__(message, req_id=req_id)
@@ -199,7 +204,7 @@ def error_of(status: int, message: str, req_id: str | None) -> RequestError:
         error = cls(message, req_id=req_id)
     else:
         error = _ERRORS.get(status, UnexpectedResponse)(message, req_id=req_id)
-    error.status = status  # type: ignore[attr-defined]
+    error.status = status  # the status actually answered (401 and 413 share a class)
     return error
 
 

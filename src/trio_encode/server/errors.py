@@ -14,30 +14,9 @@ from quart import Response, g, jsonify
 from werkzeug.exceptions import HTTPException
 
 from trio_encode.engine import EngineError
-from trio_encode.errors import (
-    EncodeFailed,
-    InvalidInput,
-    Overloaded,
-    ReceiveCountConflict,
-    RequestError,
-    RequestReleased,
-    ScopeExpired,
-    ShuttingDown,
-    UnknownRequest,
-)
+from trio_encode.errors import RequestError
 
 log = logging.getLogger(__name__)
-
-STATUS_OF: dict[type[RequestError], int] = {
-    InvalidInput: 400,
-    UnknownRequest: 404,
-    ReceiveCountConflict: 409,
-    RequestReleased: 410,
-    EncodeFailed: 500,
-    ShuttingDown: 503,
-    Overloaded: 503,
-    ScopeExpired: 504,
-}
 
 _HTTP_MESSAGES = {
     401: "missing or wrong bearer token",
@@ -53,18 +32,11 @@ def error_response(status: int, message: str, req_id: str | None = None) -> Resp
     return response
 
 
-def status_of(exc: RequestError) -> int:
-    for cls in type(exc).__mro__:
-        if cls in STATUS_OF:
-            return STATUS_OF[cls]
-    return 500
-
-
 def install_error_handlers(app: Any) -> None:
     """Register the handlers that turn every exception into a contract error answer."""
 
     async def request_error(exc: RequestError) -> Response:
-        status = status_of(exc)
+        status = exc.status
         req_id = exc.req_id or _current_req_id()
         if status >= 500:
             log.warning("%d: %s", status, exc.message, extra={"req_id": req_id})
