@@ -22,7 +22,8 @@ from trio_encode.embedding import Embedding
 from trio_encode.engine.memory import InMemoryEngine, InMemoryFabric
 from trio_encode.errors import EncodeFailed
 from trio_encode.registrations import RegistrationLedger
-from trio_encode.scope import EmbeddingMemory, Receiver, ScopeRegistry
+from trio_encode.registry import ScopeRegistry
+from trio_encode.request_types import EmbeddingMemory, Receiver
 
 
 class RecordingObserver:
@@ -57,6 +58,9 @@ class RecordingObserver:
 
     def backstop_expired(self, req_id: str) -> None:
         self._add("backstop_expired", req_id)
+
+    def quarantine_changed(self, regions: int, nbytes: int) -> None:
+        self._add("quarantine_changed", regions, nbytes)
 
 
 def make_embedding(seed: int, rows: int = 64, dim: int = 32) -> Embedding:
@@ -199,7 +203,7 @@ async def gather_sends(rig: Rig, req_id: str, receivers: list[Receiver]) -> list
 
     async def one(i: int, receiver: Receiver) -> None:
         try:
-            results[i] = await rig.registry.lookup(req_id).send(receiver)
+            results[i] = await rig.registry.require_live(req_id).send(receiver)
         except Exception as exc:
             results[i] = exc
 

@@ -7,7 +7,7 @@ transfers, deregisters, and sets the embedding to ``None``, each sibling on its 
 from __future__ import annotations
 
 from trio_encode.engine import TransferEngine
-from trio_encode.scope import EmbeddingMemory, Receiver
+from trio_encode.request_types import EmbeddingMemory, Receiver
 
 
 class EmbeddingGone(RuntimeError):

@@ -16,7 +16,7 @@ import trio.testing
 from lifecycle_rig import Landing, Rig, lifecycle_rig, make_embedding
 from naive_scope import EmbeddingGone, NaiveScope
 from trio_encode.engine import ADDRESS_OVERLAPPED, EngineError
-from trio_encode.scope import Receiver
+from trio_encode.request_types import Receiver
 
 Send = Callable[[Receiver], Awaitable[object]]
 
@@ -27,7 +27,7 @@ async def scope_under_test(rig: Rig, kind: str, receive_count: int) -> Send:
         return NaiveScope(rig.sender, make_embedding(1)).send
     encode, _ = rig.encoder("r1", seed=1)
     await rig.open("r1", encode, receive_count=receive_count)
-    return rig.registry.lookup("r1").send
+    return rig.registry.require_live("r1").send
 
 
 async def outcomes_of(sends: list[Callable[[], Awaitable[object]]]) -> list[object]:

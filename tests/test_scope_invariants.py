@@ -26,7 +26,7 @@ from trio_encode.errors import (
     ShuttingDown,
     UnknownRequest,
 )
-from trio_encode.scope import SendReport
+from trio_encode.request_types import SendReport
 
 NBYTES = 64 * 32 * 4
 
@@ -39,7 +39,7 @@ async def test_sibling_sends_register_once(autojump_clock: trio.testing.MockCloc
         await rig.open("r1", encode, receive_count=4)
         ranks = await rig.landings(4)
         gate = rig.sender.gate("register")
-        scope = rig.registry.lookup("r1")
+        scope = rig.registry.require_live("r1")
 
         async with trio.open_nursery() as nursery:
             results: list[object] = []
@@ -86,7 +86,7 @@ async def test_embedding_is_dropped_only_after_deregistration(
         weakref.finalize(embedding, note_drop)
         del embedding
 
-        scope = rig.registry.lookup("r1")
+        scope = rig.registry.require_live("r1")
         results = await gather_sends(rig, "r1", [fast.receiver, slow.receiver])
         await scope.wait_ended()
 
@@ -112,7 +112,7 @@ async def test_transfer_error_is_raised_with_its_code(
         a, b = await rig.landings(2)
         rig.sender.fail_next("transfer", TRANSFER_FAILED)
 
-        scope = rig.registry.lookup("r1")
+        scope = rig.registry.require_live("r1")
         with pytest.raises(EngineError) as failed:
             await scope.send(a.receiver)
         assert (failed.value.call, failed.value.code) == ("transfer", TRANSFER_FAILED)
@@ -146,7 +146,7 @@ async def test_registration_failure_reaches_every_sibling(
         # The other sibling registered again itself and was served.
         assert sum(isinstance(r, SendReport) for r in results) == 1
         assert rig.sender.count("register") == 2
-        scope = rig.registry.lookup("r1")
+        scope = rig.registry.require_live("r1")
         await scope.send(a.receiver if isinstance(results[0], EngineError) else b.receiver)
         await rig.assert_nothing_held()
 
@@ -162,10 +162,10 @@ async def test_registration_is_released_when_the_transfer_raises(
         (a,) = await rig.landings(1)
         rig.sender.fail_next("transfer", TRANSFER_FAILED)
         with pytest.raises(EngineError):
-            await rig.registry.lookup("r1").send(a.receiver)
+            await rig.registry.require_live("r1").send(a.receiver)
         assert rig.ledger.live_registrations == 1  # held for the retry, not leaked...
 
-        await rig.registry.lookup("r1").wait_ended()  # ...until the backstop ends the scope
+        await rig.registry.require_live("r1").wait_ended()  # ...until the backstop ends the scope
         assert rig.sender.count("register") == rig.sender.count("deregister") == 1
         await rig.assert_nothing_held()
 
@@ -181,7 +181,7 @@ async def test_scope_waits_for_a_transfer_stuck_in_its_thread(
         encode, alive = rig.encoder("r1", seed=6)
         await rig.open("r1", encode, receive_count=2)
         a, b = await rig.landings(2)
-        scope = rig.registry.lookup("r1")
+        scope = rig.registry.require_live("r1")
         rig.sender.script_latency("transfer", [25.0])  # runs past the 10 s deadline
 
         async with trio.open_nursery() as nursery:
@@ -229,7 +229,7 @@ async def test_retry_from_the_same_receiver_is_not_a_new_receiver(
         encode, _ = rig.encoder("r1", seed=7)
         await rig.open("r1", encode, receive_count=2)
         a, b = await rig.landings(2)
-        scope = rig.registry.lookup("r1")
+        scope = rig.registry.require_live("r1")
 
         # A retry while the first attempt is in flight joins it: one transfer, not two.
         results = await gather_sends(rig, "r1", [a.receiver, a.receiver])
@@ -267,7 +267,7 @@ async def test_failed_encode_answers_every_waiting_sender(
         assert all("ran out of memory" in str(r) for r in results)
         await trio.testing.wait_all_tasks_blocked()
         with pytest.raises(EncodeFailed):
-            rig.registry.lookup("r1")
+            rig.registry.require_live("r1")
         assert rig.sender.count("register") == 0
         await rig.assert_nothing_held()
 
@@ -282,7 +282,7 @@ async def test_cancel_while_waiting_for_the_encoder_leaves_nothing(
         encode.gate = trio.Event()  # the queue never gets to it
         await rig.open("r1", encode, receive_count=1)
         (a,) = await rig.landings(1)
-        scope = rig.registry.lookup("r1")
+        scope = rig.registry.require_live("r1")
 
         with pytest.raises(ScopeExpired):
             await scope.send(a.receiver)
@@ -291,7 +291,7 @@ async def test_cancel_while_waiting_for_the_encoder_leaves_nothing(
         assert encode.cancelled
         assert ("r1",) in rig.observer.names("backstop_expired")
         with pytest.raises(RequestReleased):
-            rig.registry.lookup("r1")
+            rig.registry.require_live("r1")
         del alive
         await rig.assert_nothing_held()
 
@@ -377,7 +377,7 @@ async def test_client_disconnect_before_its_transfer_starts_withdraws_it(
         encode, _ = rig.encoder("r1", seed=12, latency=5.0)
         await rig.open("r1", encode, receive_count=2)
         a, b = await rig.landings(2)
-        scope = rig.registry.lookup("r1")
+        scope = rig.registry.require_live("r1")
 
         with trio.move_on_after(1.0) as gone:  # the client disconnects after 1 s
             await scope.send(a.receiver)
@@ -403,7 +403,7 @@ async def test_client_disconnect_during_its_transfer_completes_and_counts(
         encode, _ = rig.encoder("r1", seed=13)
         await rig.open("r1", encode, receive_count=2)
         a, b = await rig.landings(2)
-        scope = rig.registry.lookup("r1")
+        scope = rig.registry.require_live("r1")
         rig.sender.script_latency("transfer", [8.0])
 
         with trio.move_on_after(1.0) as gone:
@@ -429,13 +429,13 @@ async def test_receiver_that_never_calls_cannot_hold_the_scope(
         assert all(isinstance(r, SendReport) for r in results)
         assert rig.ledger.live_registrations == 1
 
-        await rig.registry.lookup("r1").wait_ended()
+        await rig.registry.require_live("r1").wait_ended()
         assert trio.current_time() == pytest.approx(180.0)
         assert alive() is None
         with pytest.raises(RequestReleased):
             await rig.registry.open("r1", receive_count=4, encode=encode)
         with pytest.raises(RequestReleased):
-            rig.registry.lookup("r1")
+            rig.registry.require_live("r1")
         await rig.assert_nothing_held()
 
 
@@ -450,7 +450,7 @@ async def test_deregistration_failure_is_logged_and_counted(
         (a,) = await rig.landings(1)
         rig.sender.fail_next("deregister", -3)
         with caplog.at_level(logging.ERROR, logger="trio_encode"):
-            await rig.registry.lookup("r1").send(a.receiver)
+            await rig.registry.require_live("r1").send(a.receiver)
             await trio.testing.wait_all_tasks_blocked()
         assert ("deregister", -3) in rig.observer.names("engine_error")
         errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
@@ -466,11 +466,11 @@ async def test_registry_rules(autojump_clock: trio.testing.MockClock) -> None:
     and bad input forgets the id so a corrected retry can use it."""
     async with lifecycle_rig() as rig:
         with pytest.raises(UnknownRequest):
-            rig.registry.lookup("nope")
+            rig.registry.require_live("nope")
         encode, _ = rig.encoder("r1", seed=16)
         await rig.open("r1", encode, receive_count=2)
         same = await rig.registry.open("r1", receive_count=None, encode=encode)
-        assert same is rig.registry.lookup("r1")
+        assert same is rig.registry.require_live("r1")
         await trio.testing.wait_all_tasks_blocked()
         assert encode.started == 1
         with pytest.raises(ReceiveCountConflict):
@@ -480,10 +480,10 @@ async def test_registry_rules(autojump_clock: trio.testing.MockClock) -> None:
         bad.error = InvalidInput("not an image")
         await rig.open("bad", bad)
         with pytest.raises(InvalidInput):
-            await rig.registry.lookup("bad").wait_encoded()
+            await rig.registry.require_live("bad").wait_encoded()
         await trio.testing.wait_all_tasks_blocked()
         with pytest.raises(UnknownRequest):
-            rig.registry.lookup("bad")
+            rig.registry.require_live("bad")
 
 
 async def test_after_every_scope_ends_nothing_is_held(
@@ -509,7 +509,7 @@ async def test_after_every_scope_ends_nothing_is_held(
             if kind == "transfer_fails":
                 rig.sender.fail_next("transfer", TRANSFER_FAILED)
             if kind == "shutdown":
-                rig.registry.lookup(req_id).cancel()
+                rig.registry.require_live(req_id).cancel()
             outcomes += await gather_sends(rig, req_id, receivers)
 
         for scope in rig.registry.scopes():
@@ -534,7 +534,7 @@ async def test_cancelling_the_service_nursery_still_deregisters(
         await rig.open("r1", encode, receive_count=2)
         a, _ = await rig.landings(2)
         rig.sender.script_latency("deregister", [2.0])
-        await rig.registry.lookup("r1").send(a.receiver)
+        await rig.registry.require_live("r1").send(a.receiver)
         assert rig.ledger.live_registrations == 1
         rig.nursery.cancel_scope.cancel()
     assert rig.sender.live_registrations == {}
@@ -551,7 +551,7 @@ async def test_retry_right_after_a_withdrawn_send_is_served(
         encode, _ = rig.encoder("r1", seed=18, latency=5.0)
         await rig.open("r1", encode, receive_count=1)
         (a,) = await rig.landings(1)
-        scope = rig.registry.lookup("r1")
+        scope = rig.registry.require_live("r1")
         with trio.move_on_after(1.0):
             await scope.send(a.receiver)
         report = await scope.send(a.receiver)  # no checkpoint in between

@@ -17,7 +17,8 @@ from trio_encode.embedding import Embedding
 from trio_encode.engine import TransferEngine
 from trio_encode.engine.mooncake import MooncakeEngine
 from trio_encode.registrations import RegistrationLedger
-from trio_encode.scope import EmbeddingMemory, Encode, Receiver, ScopeRegistry, SendReport
+from trio_encode.registry import ScopeRegistry
+from trio_encode.request_types import EmbeddingMemory, Encode, Receiver, SendReport
 
 MIB = 1 << 20
 
@@ -94,7 +95,7 @@ async def test_four_concurrent_siblings_over_real_mooncake(ranks: list[RealRank]
         registry = ScopeRegistry(nursery, engine=sender, ledger=ledger, send_timeout=60)
         await registry.open("r1", receive_count=4, encode=returning(embedding))
         del embedding
-        scope = registry.lookup("r1")
+        scope = registry.require_live("r1")
         reports: list[SendReport] = []
 
         async def send(rank: RealRank) -> None:
@@ -129,7 +130,7 @@ async def test_two_requests_sharing_one_tensor_over_real_mooncake(
         await registry.open("a", receive_count=2, encode=returning(shared))
         await registry.open("b", receive_count=2, encode=returning(shared))
         del shared
-        a, b = registry.lookup("a"), registry.lookup("b")
+        a, b = registry.require_live("a"), registry.require_live("b")
         with trio.fail_after(30):
             async with trio.open_nursery() as senders:
                 senders.start_soon(a.send, ranks[0].receiver)

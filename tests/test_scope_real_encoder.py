@@ -28,7 +28,7 @@ from PIL import Image
 from trio_encode.encoder import EncoderSettings, ImageEncoder, decode_image, load_backend
 from trio_encode.engine.memory import InMemoryEngine, InMemoryFabric
 from trio_encode.errors import EncodeFailed, RequestReleased, ScopeExpired
-from trio_encode.scope import Receiver
+from trio_encode.request_types import Receiver
 from trio_encode.service import EncodeService, ServiceSettings
 
 T = TypeVar("T")

@@ -11,7 +11,7 @@ from lifecycle_rig import make_embedding
 from trio_encode.embedding import Embedding
 from trio_encode.engine.memory import InMemoryFabric
 from trio_encode.errors import InvalidInput, ShuttingDown
-from trio_encode.scope import Receiver
+from trio_encode.request_types import Receiver
 from trio_encode.service import EncodeService, ServiceSettings
 
 

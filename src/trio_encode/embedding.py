@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
+import xxhash
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.float32: "float32",
@@ -54,6 +56,20 @@ class Embedding:
     def dtype(self) -> str:
         return _DTYPE_NAMES[self.tensor.dtype]
 
+    @cached_property
+    def checksum(self) -> str:
+        """``xxh3-64:<hex>`` of the bytes as they lie in memory; computed on first use (it
+        reads every byte: call it off the event loop) and remembered."""
+        return checksum_of(self.tensor.view(torch.uint8).numpy().data)
+
     def copy(self) -> Embedding:
         """A private copy in fresh memory (used when the original's memory cannot be shared)."""
         return Embedding(self.tensor.clone(memory_format=torch.contiguous_format))
+
+
+CHECKSUM_ALGORITHM = "xxh3-64"
+
+
+def checksum_of(data: bytes | memoryview) -> str:
+    """The checksum of raw bytes, in the ``algorithm:hex`` form the HTTP answers carry."""
+    return f"{CHECKSUM_ALGORITHM}:{xxhash.xxh3_64_hexdigest(data)}"

@@ -66,3 +66,9 @@ class Overloaded(RequestError):
     """The encoder queue is full, or the server is not ready (503)."""
 
     status = 503
+
+
+class InternalError(RequestError):
+    """A bug inside the server ended this request (and only it); the traceback is logged (500)."""
+
+    status = 500

@@ -22,6 +22,10 @@ class LifecycleObserver(Protocol):
 
     def backstop_expired(self, req_id: str) -> None: ...
 
+    def quarantine_changed(self, regions: int, nbytes: int) -> None:
+        """Registrations whose deregistration failed and is being retried (memory kept)."""
+        ...
+
 
 class NullObserver:
     """Ignores every event."""
@@ -45,4 +49,7 @@ class NullObserver:
         pass
 
     def backstop_expired(self, req_id: str) -> None:
+        pass
+
+    def quarantine_changed(self, regions: int, nbytes: int) -> None:
         pass

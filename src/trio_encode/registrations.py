@@ -6,6 +6,13 @@ both, and a batched forward hands out views of one output. So registrations are 
 by requests: a request *leases* a registered region, the first lease registers it, and the last
 lease to go deregisters it. Registration and deregistration run shielded: once the engine has
 been asked, the ledger must learn the answer, or a registration would leak.
+
+A region holds its leases' owners (the objects that keep its bytes allocated) for as long as
+it may be registered. If the engine refuses a deregistration for any reason but "nothing is
+registered there" (-3), the region is *quarantined*: its memory stays alive, no new lease may
+use it, and :meth:`RegistrationLedger.run` retries the deregistration until it succeeds. Freeing
+memory the engine may still hold registered would let a later allocation be read or written
+by a transfer that names the old registration.
 """
 
 from __future__ import annotations
@@ -16,16 +23,17 @@ from typing import Literal
 
 import trio
 
-from trio_encode.engine import EngineError, TransferEngine
+from trio_encode.engine import INVALID_ADDRESS, EngineError, TransferEngine
 from trio_encode.observer import LifecycleObserver, NullObserver
 
 log = logging.getLogger(__name__)
 
-RegionState = Literal["registering", "live", "deregistering"]
+RegionState = Literal["registering", "live", "deregistering", "quarantined"]
 
 
 class PartialOverlap(Exception):
-    """The range overlaps a live region without lying inside it; it cannot be leased."""
+    """The range overlaps a region it cannot share: one that straddles it, or one that is
+    quarantined. The caller must send from other memory."""
 
 
 @dataclass(eq=False)
@@ -34,6 +42,8 @@ class _Region:
     length: int
     state: RegionState = "registering"
     leases: int = 0
+    owners: list[object] = field(default_factory=list)
+    """What keeps the bytes allocated while they may be registered."""
     settled: trio.Event = field(default_factory=trio.Event)
 
     @property
@@ -60,50 +70,70 @@ class Lease:
 class RegistrationLedger:
     """Registers memory with one engine so that no two live registrations overlap."""
 
-    def __init__(self, engine: TransferEngine, observer: LifecycleObserver | None = None) -> None:
+    def __init__(
+        self,
+        engine: TransferEngine,
+        observer: LifecycleObserver | None = None,
+        *,
+        quarantine_retry: float = 5.0,
+    ) -> None:
         self._engine = engine
         self._observer: LifecycleObserver = observer or NullObserver()
         self._regions: dict[int, _Region] = {}
+        self._quarantine_retry = quarantine_retry
+        self._quarantine_changed = trio.Event()
 
     @property
     def live_registrations(self) -> int:
-        """Regions registered with the engine now (registering and deregistering included)."""
+        """Regions registered with the engine now (registering, deregistering and
+        quarantined ones included)."""
         return len(self._regions)
+
+    @property
+    def quarantined(self) -> int:
+        """Regions whose deregistration failed and is being retried."""
+        return len(self._quarantined())
+
+    @property
+    def quarantined_bytes(self) -> int:
+        return sum(r.length for r in self._quarantined())
 
     def regions(self) -> list[tuple[int, int, int]]:
         """``(address, length, leases)`` of every region, for diagnostics and tests."""
         return [(r.address, r.length, r.leases) for r in self._regions.values()]
 
-    async def acquire(self, address: int, length: int) -> Lease:
+    async def acquire(self, address: int, length: int, *, owner: object = None) -> Lease:
         """Lease ``[address, address + length)``, registering it unless a live region covers it.
 
-        Raises :class:`EngineError` if the engine refuses, :class:`PartialOverlap` if the range
-        straddles a live region (the caller must send from other memory).
+        ``owner`` is kept alive while the region may be registered. Raises
+        :class:`EngineError` if the engine refuses, :class:`PartialOverlap` if the range
+        cannot share the region it overlaps (the caller must send from other memory).
         """
         if length <= 0:
             raise ValueError("cannot register an empty range")
         while True:
             region = self._find_overlapping(address, length)
             if region is None:
-                return await self._register(address, length)
-            if region.state != "live":
+                return await self._register(address, length, owner)
+            if region.state in ("registering", "deregistering"):
                 # Someone is registering or deregistering it right now: wait for the outcome
                 # (bounded by one engine call) and look again.
                 await region.settled.wait()
                 continue
-            if not region.contains(address, length):
+            if region.state == "quarantined" or not region.contains(address, length):
                 raise PartialOverlap(
-                    f"range {address:#x}+{length} straddles the live registration "
+                    f"range {address:#x}+{length} overlaps the {region.state} registration "
                     f"{region.address:#x}+{region.length}"
                 )
             region.leases += 1
+            region.owners.append(owner)
             return Lease(address, length, region)
 
     async def release(self, lease: Lease) -> None:
         """Give a lease back; the last one deregisters. Call it shielded from cancellation.
 
-        Raises :class:`EngineError` if the engine fails to deregister; the ledger forgets the
-        region either way, since there is nothing left to retry against.
+        Raises :class:`EngineError` if the engine fails to deregister. The region is then
+        forgotten if the engine holds nothing there (-3), and quarantined otherwise.
         """
         if lease.released:
             raise RuntimeError("lease released twice")
@@ -113,16 +143,58 @@ class RegistrationLedger:
         if region.leases > 0:
             return
         region.state = "deregistering"
+        region.settled = trio.Event()  # a fresh one: the old was set when registering ended
         try:
             await self._engine.deregister(region.address)
         except EngineError as exc:
             self._observer.engine_error(exc.call, exc.code)
+            if exc.code == INVALID_ADDRESS:
+                self._forget(region)
+            else:
+                self._quarantine(region)
+            raise
+        except BaseException:
+            self._quarantine(region)  # the engine's answer is unknown: assume still registered
             raise
         else:
             self._observer.deregistered(region.address)
-        finally:
-            del self._regions[region.address]
-            region.settled.set()
+            self._forget(region)
+
+    async def retry_quarantined(self) -> None:
+        """Try once more to deregister every quarantined region (shielded)."""
+        for region in self._quarantined():
+            with trio.CancelScope(shield=True):
+                try:
+                    await self._engine.deregister(region.address)
+                except EngineError as exc:
+                    self._observer.engine_error(exc.call, exc.code)
+                    if exc.code != INVALID_ADDRESS:
+                        log.warning(
+                            "quarantined registration %#x+%d: deregister failed again: %s",
+                            region.address,
+                            region.length,
+                            exc,
+                        )
+                        continue
+                else:
+                    self._observer.deregistered(region.address)
+            log.info("quarantined registration %#x released", region.address)
+            self._forget(region)
+        self._observer.quarantine_changed(self.quarantined, self.quarantined_bytes)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Retry quarantined deregistrations every ``quarantine_retry`` seconds while there are
+        any; runs in the service nursery."""
+        task_status.started()
+        while True:
+            while not self._quarantined():
+                await self._quarantine_changed.wait()
+                self._quarantine_changed = trio.Event()
+            await trio.sleep(self._quarantine_retry)
+            await self.retry_quarantined()
+
+    def _quarantined(self) -> list[_Region]:
+        return [r for r in self._regions.values() if r.state == "quarantined"]
 
     def _find_overlapping(self, address: int, length: int) -> _Region | None:
         for region in self._regions.values():
@@ -130,15 +202,30 @@ class RegistrationLedger:
                 return region
         return None
 
-    async def _register(self, address: int, length: int) -> Lease:
-        region = _Region(address, length)
+    def _forget(self, region: _Region) -> None:
+        del self._regions[region.address]
+        region.owners.clear()
+        region.settled.set()
+
+    def _quarantine(self, region: _Region) -> None:
+        region.state = "quarantined"
+        region.settled.set()
+        log.error(
+            "registration %#x+%d quarantined: its memory is kept until a deregistration succeeds",
+            region.address,
+            region.length,
+        )
+        self._quarantine_changed.set()
+        self._observer.quarantine_changed(self.quarantined, self.quarantined_bytes)
+
+    async def _register(self, address: int, length: int, owner: object) -> Lease:
+        region = _Region(address, length, owners=[owner])
         self._regions[address] = region
         try:
             with trio.CancelScope(shield=True):
                 await self._engine.register(address, length)
         except BaseException as exc:
-            del self._regions[address]
-            region.settled.set()
+            self._forget(region)
             if isinstance(exc, EngineError):
                 self._observer.engine_error(exc.call, exc.code)
             raise

@@ -9,90 +9,60 @@ So the scope's ``finally`` cannot run while a transfer is in flight, and it alon
 and then drops the embedding.
 
 The scope ends when ``receive_count`` distinct receivers are done, when the encode fails, when
-the server shuts down, or when its backstop deadline (``send_timeout`` after creation) cancels it.
-This module knows nothing of HTTP or torch: only the engine, the ledger and the embedding's
-address and size.
+an unexpected error hits it, when the server shuts down, or when its backstop deadline
+(``send_timeout`` after creation) cancels it. Whatever ends it ends only it: no error leaves
+the scope's task. This module knows nothing of HTTP or torch: only the engine, the ledger and
+the embedding's address and size.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-from collections import OrderedDict
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
 
 import trio
 
 from trio_encode.engine import EngineError, TransferEngine
 from trio_encode.errors import (
     EncodeFailed,
+    InternalError,
     InvalidInput,
     ReceiveCountConflict,
     RequestError,
     RequestReleased,
     ScopeExpired,
     ShuttingDown,
-    UnknownRequest,
 )
-from trio_encode.observer import LifecycleObserver, NullObserver
+from trio_encode.observer import LifecycleObserver
 from trio_encode.registrations import Lease, PartialOverlap, RegistrationLedger
+from trio_encode.request_types import (
+    EmbeddingMemory,
+    EmbeddingShape,
+    Encode,
+    EndReason,
+    Receiver,
+    SendReport,
+)
 
 log = logging.getLogger(__name__)
 
-EndReason = Literal["completed", "encode_failed", "invalid_input", "expired", "shutdown"]
-
-
-class EmbeddingMemory(Protocol):
-    """What a scope needs to know about an embedding: where its bytes lie, and its shape."""
-
-    @property
-    def address(self) -> int: ...
-
-    @property
-    def nbytes(self) -> int: ...
-
-    @property
-    def rows(self) -> int: ...
-
-    @property
-    def dim(self) -> int: ...
-
-    @property
-    def dtype(self) -> str: ...
-
-    def copy(self) -> EmbeddingMemory:
-        """The same bytes in fresh memory."""
-        ...
-
-
-Encode = Callable[[], Awaitable[EmbeddingMemory]]
-
 
 @dataclass(frozen=True)
-class EmbeddingShape:
-    """Facts about an embedding that outlive it (answers are built after it is dropped)."""
+class Failure:
+    """A request error kept as its class and message, never as the exception: a raised
+    exception's traceback holds the frames (and the image bytes) that raised it, and one
+    exception object raised in several waiting tasks would collect all their tracebacks."""
 
-    rows: int
-    dim: int
-    nbytes: int
-    dtype: str
+    error_type: type[RequestError]
+    message: str
 
+    @classmethod
+    def of(cls, error: RequestError) -> Failure:
+        return cls(type(error), error.message)
 
-@dataclass(frozen=True)
-class Receiver:
-    """A landing buffer; a retry from the same one is the same receiver."""
-
-    session_id: str
-    buffer_address: int
-
-
-@dataclass(frozen=True)
-class SendReport:
-    shape: EmbeddingShape
-    receivers_done: int
-    receive_count: int
+    def error(self, req_id: str) -> RequestError:
+        """A fresh exception for one caller."""
+        return self.error_type(self.message, req_id=req_id)
 
 
 @dataclass(eq=False)
@@ -102,7 +72,8 @@ class _Attempt:
     receiver: Receiver
     done: trio.Event = field(default_factory=trio.Event)
     # Covers only the phase before the transfer starts: a client that goes away then withdraws
-    # its send; once the transfer has started it completes and counts.
+    # its send; once the transfer has started it completes and counts. A withdrawn attempt
+    # never transfers, even if the engine call it was waiting on returns normally.
     withdraw: trio.CancelScope = field(default_factory=trio.CancelScope)
     waiters: int = 0
     transferring: bool = False
@@ -136,7 +107,7 @@ class RequestScope:
         self._ledger = ledger
         self._observer = observer
         self._embedding: EmbeddingMemory | None = None
-        self._encode_error: RequestError | None = None
+        self._failure: Failure | None = None
         self._started = trio.Event()
         self._encoded = trio.Event()
         self._finished = trio.Event()
@@ -155,9 +126,14 @@ class RequestScope:
         return len(self._done)
 
     @property
-    def encode_error(self) -> RequestError | None:
-        """Why the encode failed, if it did (remembered after the scope ends)."""
-        return self._encode_error
+    def done_receivers(self) -> frozenset[Receiver]:
+        """The receivers whose bytes have landed."""
+        return frozenset(self._done)
+
+    @property
+    def failure(self) -> Failure | None:
+        """Why the request failed (encode or internal error), remembered after it ends."""
+        return self._failure
 
     @property
     def accepting(self) -> bool:
@@ -194,9 +170,12 @@ class RequestScope:
         """Write the embedding into ``receiver`` and return once the bytes have landed.
 
         The transfer runs as a task in this scope's nursery, never in the caller's, so a
-        caller that is cancelled cannot take a running transfer down with it.
+        caller that is cancelled cannot take a running transfer down with it. A receiver that
+        is already done is answered at once, marked as a repeat (its first answer was lost).
         """
         await self._started.wait()
+        if receiver in self._done and self.shape is not None:
+            return SendReport(self.shape, len(self._done), self.receive_count, repeat=True)
         if not self.accepting:
             raise self._why_not_served()
         assert self._nursery is not None
@@ -227,7 +206,11 @@ class RequestScope:
     # -- the scope's own task ---------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """The scope's body; runs in the service nursery until the request is over."""
+        """The scope's body; runs in the service nursery until the request is over.
+
+        Never raises an :class:`Exception`: a bug inside one request ends that request (500,
+        traceback logged), not the service nursery and every other request with it.
+        """
         self._observer.scope_opened(self.req_id)
         log.info("scope opened", extra={"req_id": self.req_id})
         try:
@@ -249,6 +232,8 @@ class RequestScope:
                     self.receive_count,
                     extra={"req_id": self.req_id},
                 )
+        except Exception as exc:
+            self._fail_unexpectedly(exc)
         finally:
             if self.end_reason is None:
                 self.end_reason = "shutdown"
@@ -263,19 +248,24 @@ class RequestScope:
     async def _run_encode(self) -> None:
         try:
             embedding = await self._encode()
+            shape = EmbeddingShape(
+                embedding.rows, embedding.dim, embedding.nbytes, embedding.dtype, embedding.checksum
+            )
         except RequestError as exc:
-            exc.req_id = self.req_id
-            self._encode_error = exc
-            self._finish("invalid_input" if isinstance(exc, InvalidInput) else "encode_failed")
+            self._failure = Failure.of(exc)
+            if isinstance(exc, InvalidInput):
+                self._finish("invalid_input")
+            elif exc.status == 503:
+                self._finish("refused")  # transient: a retry of this req_id may succeed
+            else:
+                self._finish("encode_failed")
         except Exception as exc:
             log.exception("encoder failed", extra={"req_id": self.req_id})
-            self._encode_error = EncodeFailed(f"the encoder failed: {exc}", req_id=self.req_id)
+            self._failure = Failure(EncodeFailed, f"the encoder failed: {exc}")
             self._finish("encode_failed")
         else:
             self._embedding = embedding
-            self.shape = EmbeddingShape(
-                embedding.rows, embedding.dim, embedding.nbytes, embedding.dtype
-            )
+            self.shape = shape
         finally:
             self._encoded.set()
 
@@ -283,7 +273,8 @@ class RequestScope:
         try:
             with attempt.withdraw:
                 address, nbytes = await self._register_once()
-                attempt.transferring = True
+                # The register call runs shielded, so a withdrawal during it is seen only here.
+                attempt.transferring = not attempt.withdraw.cancel_called
             if not attempt.transferring:
                 return  # withdrawn before its transfer started: it never happened
             started = trio.current_time()
@@ -303,6 +294,8 @@ class RequestScope:
             attempt.error = exc
         except RequestError as exc:
             attempt.error = exc
+        except Exception as exc:
+            self._fail_unexpectedly(exc)
         finally:
             if not attempt.succeeded and attempt.error is None:
                 attempt.error = self._why_not_served()
@@ -319,13 +312,13 @@ class RequestScope:
             if self._lease is None:
                 try:
                     self._lease = await self._ledger.acquire(
-                        self._embedding.address, self._embedding.nbytes
+                        self._embedding.address, self._embedding.nbytes, owner=self._embedding
                     )
                 except PartialOverlap:
-                    # Our bytes straddle another request's registration: send from a copy.
+                    # Our bytes straddle memory we cannot lease: send from a private copy.
                     self._embedding = self._embedding.copy()
                     self._lease = await self._ledger.acquire(
-                        self._embedding.address, self._embedding.nbytes
+                        self._embedding.address, self._embedding.nbytes, owner=self._embedding
                     )
         return self._embedding.address, self._embedding.nbytes
 
@@ -334,8 +327,24 @@ class RequestScope:
             self.end_reason = reason
         self._finished.set()
 
+    def _fail_unexpectedly(self, exc: Exception) -> None:
+        """A bug, not a client's or the engine's fault: end this request only, loudly."""
+        log.error(
+            "request failed unexpectedly: %r", exc, exc_info=exc, extra={"req_id": self.req_id}
+        )
+        if self._failure is None:
+            self._failure = Failure(InternalError, f"internal error: {type(exc).__name__}")
+        if self.end_reason is None:
+            self.end_reason = "failed"
+        self._finished.set()
+
     async def _release(self) -> None:
-        """Deregister (if registered), then drop the embedding; in that order, exactly once."""
+        """Give the lease back, then drop the embedding; in that order, exactly once.
+
+        If the engine refuses to deregister, the ledger keeps the memory alive itself (the
+        lease's owner) until a retry succeeds, so dropping our reference never frees bytes the
+        engine may still have registered.
+        """
         lease, self._lease = self._lease, None
         try:
             if lease is not None:
@@ -347,8 +356,8 @@ class RequestScope:
 
     def _why_not_served(self) -> RequestError:
         """The error for a call that the scope can no longer serve."""
-        if self._encode_error is not None:
-            return self._encode_error
+        if self._failure is not None:
+            return self._failure.error(self.req_id)
         reason = self.end_reason
         if reason is None and trio.current_time() >= self.deadline:
             reason = "expired"
@@ -365,121 +374,3 @@ class RequestScope:
         if reason == "shutdown" or reason is None:
             return ShuttingDown("the server is shutting down", req_id=self.req_id)
         return RequestReleased(f"the request has ended ({reason})", req_id=self.req_id)
-
-
-@dataclass(frozen=True)
-class _Tombstone:
-    reason: EndReason
-    error: RequestError | None
-    at: float
-
-
-class ScopeRegistry:
-    """The live scopes by ``req_id``, and a bounded memory of the ones that ended.
-
-    The registry owns no nursery; it starts each scope in the service nursery it is given,
-    which outlives every HTTP handler.
-    """
-
-    def __init__(
-        self,
-        nursery: trio.Nursery,
-        *,
-        engine: TransferEngine,
-        ledger: RegistrationLedger,
-        send_timeout: float,
-        observer: LifecycleObserver | None = None,
-        remember_released: int = 100_000,
-        remember_seconds: float = 3600.0,
-    ) -> None:
-        if not send_timeout > 0 or math.isinf(send_timeout):
-            raise ValueError("send_timeout must be a positive number of seconds")
-        self._nursery = nursery
-        self._engine = engine
-        self._ledger = ledger
-        self._observer: LifecycleObserver = observer or NullObserver()
-        self.send_timeout = send_timeout
-        self._scopes: dict[str, RequestScope] = {}
-        self._released: OrderedDict[str, _Tombstone] = OrderedDict()
-        self._remember_released = remember_released
-        self._remember_seconds = remember_seconds
-        self.closed = False
-
-    def __len__(self) -> int:
-        return len(self._scopes)
-
-    def scopes(self) -> list[RequestScope]:
-        return list(self._scopes.values())
-
-    async def open(self, req_id: str, *, receive_count: int | None, encode: Encode) -> RequestScope:
-        """The scope for ``req_id``, started on first use; siblings get the same scope."""
-        scope = self.get(req_id)
-        if scope is not None:
-            scope.check_receive_count(receive_count)
-            return scope
-        if self.closed:
-            raise ShuttingDown("the server is shutting down", req_id=req_id)
-        scope = RequestScope(
-            req_id,
-            receive_count=receive_count or 1,
-            deadline=trio.current_time() + self.send_timeout,
-            encode=encode,
-            engine=self._engine,
-            ledger=self._ledger,
-            observer=self._observer,
-        )
-        self._scopes[req_id] = scope
-        await self._nursery.start(self._run_scope, scope)
-        return scope
-
-    def get(self, req_id: str) -> RequestScope | None:
-        """The live scope for ``req_id``, None if there is none; 410 (or its error) if ended."""
-        scope = self._scopes.get(req_id)
-        if scope is None:
-            self._raise_if_released(req_id)
-        return scope
-
-    def lookup(self, req_id: str) -> RequestScope:
-        """The live scope for ``req_id``; 404 if never seen, 410 (or its error) if ended."""
-        scope = self.get(req_id)
-        if scope is not None:
-            return scope
-        raise UnknownRequest(
-            "no /encode has named this req_id here (or it ended too long ago to remember)",
-            req_id=req_id,
-        )
-
-    async def _run_scope(
-        self, scope: RequestScope, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
-    ) -> None:
-        try:
-            await scope.run(task_status=task_status)
-        finally:
-            del self._scopes[scope.req_id]
-            # Bad input leaves nothing behind: the client may retry the id with a fixed body.
-            if scope.end_reason != "invalid_input":
-                assert scope.end_reason is not None
-                self._remember(scope.req_id, scope.end_reason, scope.encode_error)
-
-    def _remember(self, req_id: str, reason: EndReason, error: RequestError | None) -> None:
-        now = trio.current_time()
-        self._released[req_id] = _Tombstone(reason, error, now)
-        self._released.move_to_end(req_id)
-        while self._released:
-            oldest = next(iter(self._released.values()))
-            if (
-                len(self._released) <= self._remember_released
-                and now - oldest.at <= self._remember_seconds
-            ):
-                break
-            self._released.popitem(last=False)
-
-    def _raise_if_released(self, req_id: str) -> None:
-        tomb = self._released.get(req_id)
-        if tomb is None or trio.current_time() - tomb.at > self._remember_seconds:
-            return
-        if tomb.error is not None and tomb.reason == "encode_failed":
-            raise EncodeFailed(tomb.error.message, req_id=req_id)
-        raise RequestReleased(
-            f"this req_id's scope has already been released ({tomb.reason})", req_id=req_id
-        )

@@ -9,6 +9,7 @@ outlive the handlers that create them and end only by their own rules, or at shu
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -20,13 +21,8 @@ from trio_encode.engine import TransferEngine
 from trio_encode.errors import InvalidInput, ShuttingDown
 from trio_encode.observer import LifecycleObserver, NullObserver
 from trio_encode.registrations import RegistrationLedger
-from trio_encode.scope import (
-    EmbeddingMemory,
-    EmbeddingShape,
-    Receiver,
-    ScopeRegistry,
-    SendReport,
-)
+from trio_encode.registry import ScopeRegistry
+from trio_encode.request_types import EmbeddingMemory, EmbeddingShape, Receiver, SendReport
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +37,10 @@ class Encoder(Protocol):
         """Check and load ``mm_items`` without decoding pixels; raise InvalidInput."""
         ...
 
-    async def encode(self, images: Sequence[bytes]) -> EmbeddingMemory: ...
+    async def encode(self, images: Sequence[bytes]) -> EmbeddingMemory:
+        """The embedding of ``images``; its ``checksum`` already computed off the event loop
+        when that is costly (the real encoder does it in its worker thread)."""
+        ...
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The encoder's long-lived work (batching), run in the service nursery."""
@@ -99,6 +98,8 @@ class EncodeService:
             remember_seconds=settings.remember_seconds,
         )
         self.shutdown_report: ShutdownReport | None = None
+        self._grace = trio.CancelScope(deadline=math.inf)
+        self._shutdown_done = trio.Event()
 
     @classmethod
     @asynccontextmanager
@@ -120,6 +121,7 @@ class EncodeService:
                 observer=observer or NullObserver(),
             )
             await nursery.start(encoder.run)
+            await nursery.start(service.ledger.run)
             try:
                 yield service
             finally:
@@ -135,7 +137,7 @@ class EncodeService:
         self, req_id: str, mm_items: Sequence[str], *, receive_count: int | None
     ) -> EncodeReport:
         """Run the encoder once for ``req_id``; siblings share the run and its answer."""
-        scope = self.registry.get(req_id)
+        scope = self.registry.find_live(req_id)
         if scope is None:
             if self.registry.closed:
                 raise ShuttingDown("the server is shutting down", req_id=req_id)
@@ -162,29 +164,51 @@ class EncodeService:
         *,
         receive_count: int | None = None,
     ) -> SendReport:
-        """Transfer ``req_id``'s embedding into ``receiver``; returns once the bytes landed."""
-        scope = self.registry.lookup(req_id)
+        """Transfer ``req_id``'s embedding into ``receiver``; returns once the bytes landed.
+
+        A receiver that already got its bytes and asks again after the request completed (its
+        answer was lost) gets the same answer, marked as a repeat, instead of 410.
+        """
+        repeat = self.registry.repeat_send(req_id, receiver)
+        if repeat is not None:
+            return repeat
+        scope = self.registry.require_live(req_id)
         scope.check_receive_count(receive_count)
         return await scope.send(receiver)
 
     async def shutdown(self) -> ShutdownReport:
         """Refuse new requests, let live scopes finish within the grace, cancel the rest.
 
-        Returns once every scope has released its registration and embedding.
+        Returns once every scope has released its registration and embedding. Asking again
+        while the grace runs (a second signal), or cancelling the caller, cuts the grace short
+        instead of starting it over; the release still completes, shielded.
         """
-        if self.shutdown_report is not None:
+        if self.registry.closed:
+            self._grace.cancel()
+            with trio.CancelScope(shield=True):
+                await self._shutdown_done.wait()
+            assert self.shutdown_report is not None
             return self.shutdown_report
         self.registry.closed = True
         live = self.registry.scopes()
-        with trio.move_on_after(self.settings.shutdown_grace):
-            for scope in live:
-                await scope.wait_ended()
-        remaining = self.registry.scopes()
-        for scope in remaining:
-            scope.cancel()
-        for scope in remaining:
-            await scope.wait_ended()
-        report = ShutdownReport(finished=len(live) - len(remaining), cut_short=len(remaining))
-        log.info("shutdown: %d scopes finished, %d cut short", report.finished, report.cut_short)
-        self.shutdown_report = report
+        try:
+            self._grace.deadline = trio.current_time() + self.settings.shutdown_grace
+            with self._grace:
+                for scope in live:
+                    await scope.wait_ended()
+        finally:
+            with trio.CancelScope(shield=True):
+                remaining = self.registry.scopes()
+                for scope in remaining:
+                    scope.cancel()
+                for scope in remaining:
+                    await scope.wait_ended()
+                report = ShutdownReport(
+                    finished=len(live) - len(remaining), cut_short=len(remaining)
+                )
+                log.info(
+                    "shutdown: %d scopes finished, %d cut short", report.finished, report.cut_short
+                )
+                self.shutdown_report = report
+                self._shutdown_done.set()
         return report

@@ -127,6 +127,8 @@ class ImageEncoder:
         # Decoding gets its own small thread pool so a burst of big images cannot take every
         # core from the forward pass.
         self._decode_limiter = trio.CapacityLimiter(2)
+        # The forward has threads of its own: it must never wait behind transfers or decodes.
+        self._forward_limiter = trio.CapacityLimiter(1)
         self._run_decode: ThreadRunner = run_decode or self._decode_in_thread
         self._run_forward: ThreadRunner = run_forward or self._forward_in_thread
         self._queue: deque[_Job] = deque()
@@ -216,9 +218,7 @@ class ImageEncoder:
         if missing:
             await self._encode_missing(items, keys, results, missing)
         rows = [result for result in results if result is not None]
-        if len(rows) == 1:
-            return Embedding(rows[0])
-        return Embedding(await self._run_decode(partial(_concatenate, rows)))
+        return await self._run_decode(partial(_assemble, rows))
 
     async def _encode_missing(
         self,
@@ -431,9 +431,16 @@ class ImageEncoder:
         return await trio.to_thread.run_sync(fn, limiter=self._decode_limiter)
 
     async def _forward_in_thread(self, fn: Callable[[], T]) -> T:
-        return await trio.to_thread.run_sync(fn)
+        return await trio.to_thread.run_sync(fn, limiter=self._forward_limiter)
 
 
-def _concatenate(rows: list[torch.Tensor]) -> torch.Tensor:
-    with torch.inference_mode():
-        return torch.cat(rows, dim=0)
+def _assemble(rows: list[torch.Tensor]) -> Embedding:
+    """In a worker thread: the request's rows as one embedding, its checksum computed (it
+    reads every byte, so not on the event loop)."""
+    if len(rows) == 1:
+        embedding = Embedding(rows[0])
+    else:
+        with torch.inference_mode():
+            embedding = Embedding(torch.cat(rows, dim=0))
+    embedding.checksum  # noqa: B018 - computed here, remembered by the embedding
+    return embedding

@@ -18,7 +18,7 @@ from typing import Any
 from quart import Response, g, jsonify, request
 from quart_trio import QuartTrio
 
-from trio_encode.scope import Receiver
+from trio_encode.request_types import Receiver
 from trio_encode.server.errors import error_response, install_error_handlers
 from trio_encode.server.metrics import Metrics
 from trio_encode.server.schemas import (

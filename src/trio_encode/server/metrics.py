@@ -22,7 +22,7 @@ from prometheus_client import (
 )
 
 if TYPE_CHECKING:
-    from trio_encode.scope import EmbeddingMemory
+    from trio_encode.request_types import EmbeddingMemory
     from trio_encode.service import Encoder, EncodeService
 
 PREFIX = "trio_encode_"
@@ -62,6 +62,17 @@ class Metrics:
         )
         self.registrations = Counter(
             PREFIX + "registrations", "Memory registrations made.", registry=r
+        )
+        self.quarantined_registrations = Gauge(
+            PREFIX + "quarantined_registrations",
+            "Registrations whose deregistration failed; their memory is kept and the "
+            "deregistration retried.",
+            registry=r,
+        )
+        self.quarantined_bytes = Gauge(
+            PREFIX + "quarantined_bytes",
+            "Bytes kept alive by quarantined registrations.",
+            registry=r,
         )
         self.deregistrations = Counter(
             PREFIX + "deregistrations", "Memory registrations released.", registry=r
@@ -163,6 +174,10 @@ class Metrics:
 
     def backstop_expired(self, req_id: str) -> None:
         self.backstop_expiries.inc()
+
+    def quarantine_changed(self, regions: int, nbytes: int) -> None:
+        self.quarantined_registrations.set(regions)
+        self.quarantined_bytes.set(nbytes)
 
     # -- EncoderObserver ----------------------------------------------------------------------
 

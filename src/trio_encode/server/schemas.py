@@ -23,7 +23,7 @@ from pydantic import (
 )
 
 from trio_encode.errors import InvalidInput
-from trio_encode.scope import EmbeddingShape, SendReport
+from trio_encode.request_types import EmbeddingShape, SendReport
 from trio_encode.service import EncodeReport
 
 _SESSION_ID = re.compile(r"^(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):([0-9]{1,5})$")
@@ -105,6 +105,7 @@ def _shape_fields(shape: EmbeddingShape) -> dict[str, Any]:
         "embedding_dim": shape.dim,
         "embedding_size": shape.nbytes,
         "dtype": shape.dtype,
+        "checksum": shape.checksum,
     }
 
 
@@ -124,4 +125,5 @@ def send_answer(req_id: str, report: SendReport) -> dict[str, Any]:
         **_shape_fields(report.shape),
         "receivers_done": report.receivers_done,
         "receive_count": report.receive_count,
+        "repeat": report.repeat,
     }

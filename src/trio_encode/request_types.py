@@ -1,0 +1,81 @@
+"""The values a request's scope deals in: the embedding's memory as the scope sees it, a
+receiver, the facts that outlive the embedding, and the answer to a send.
+
+Kept apart from :mod:`trio_encode.scope` so that the service, the HTTP layer and tests can name
+them without importing the lifecycle machinery.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+EndReason = Literal[
+    "completed", "encode_failed", "invalid_input", "refused", "failed", "expired", "shutdown"
+]
+"""Why a scope ended. ``invalid_input`` and ``refused`` (a transient 503 from the encoder)
+leave no tombstone, so the client may retry the same ``req_id``; ``failed`` is an unexpected
+error inside the scope (a bug), answered 500."""
+
+
+class EmbeddingMemory(Protocol):
+    """What a scope needs to know about an embedding: where its bytes lie, and its shape."""
+
+    @property
+    def address(self) -> int: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+    @property
+    def rows(self) -> int: ...
+
+    @property
+    def dim(self) -> int: ...
+
+    @property
+    def dtype(self) -> str: ...
+
+    @property
+    def checksum(self) -> str:
+        """``algorithm:hex`` of the bytes; computed once, may be slow the first time."""
+        ...
+
+    def copy(self) -> EmbeddingMemory:
+        """The same bytes in fresh memory."""
+        ...
+
+
+Encode = Callable[[], Awaitable[EmbeddingMemory]]
+
+
+@dataclass(frozen=True)
+class EmbeddingShape:
+    """Facts about an embedding that outlive it (answers are built after it is dropped)."""
+
+    rows: int
+    dim: int
+    nbytes: int
+    dtype: str
+    checksum: str
+    """``algorithm:hex`` digest of the bytes every receiver gets, so a receiver can prove
+    that what landed is what was encoded."""
+
+
+@dataclass(frozen=True)
+class Receiver:
+    """A landing buffer; a retry from the same one is the same receiver."""
+
+    session_id: str
+    buffer_address: int
+
+
+@dataclass(frozen=True)
+class SendReport:
+    shape: EmbeddingShape
+    receivers_done: int
+    receive_count: int
+    repeat: bool = False
+    """True when this receiver had already been sent to and the request had completed: the
+    answer to a retry whose first 200 was lost. No bytes moved this time."""

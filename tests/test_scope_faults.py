@@ -1,0 +1,296 @@
+"""Fault isolation: one request's, one rank's or one client's fault never reaches another.
+
+Each test forces one interleaving on the mock clock that once let a fault escape its request
+(``docs/failures.md`` lists the classes): a withdrawn send that still wrote, an opener's
+disconnect that ended the request for its siblings, a transient refusal remembered as a
+failure, a shutdown whose grace restarted when interrupted, an unexpected error that took the
+service down, and a failed deregistration that freed memory the engine may still hold.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import weakref
+from collections.abc import Sequence
+
+import pytest
+import trio
+import trio.testing
+
+from lifecycle_rig import lifecycle_rig, make_embedding
+from trio_encode.embedding import Embedding
+from trio_encode.engine import INVALID_ADDRESS, TRANSFER_FAILED
+from trio_encode.engine.memory import InMemoryFabric
+from trio_encode.errors import (
+    EncodeFailed,
+    InternalError,
+    InvalidInput,
+    Overloaded,
+)
+from trio_encode.request_types import SendReport
+from trio_encode.service import EncodeService, ServiceSettings
+
+NBYTES = 64 * 32 * 4
+
+
+async def test_a_withdrawn_send_never_writes_after_its_retry_answered(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A client that goes away while its send is inside the (shielded) register call, then
+    retries: the retry is answered once its bytes landed, and nothing writes into that
+    buffer afterwards (the withdrawn attempt must not transfer on its own)."""
+    async with lifecycle_rig() as rig:
+        encode, _ = rig.encoder("r1", seed=1)
+        await rig.open("r1", encode, receive_count=2)
+        a, _b = await rig.landings(2)
+        scope = rig.registry.require_live("r1")
+        gate = rig.sender.gate("register")
+        answered_at: list[float] = []
+
+        async def retry() -> None:
+            await scope.send(a.receiver)
+            answered_at.append(trio.current_time())
+
+        gone = trio.CancelScope()
+        send_done = trio.Event()
+
+        async def first_send() -> None:
+            with gone:
+                await scope.send(a.receiver)
+            send_done.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(first_send)
+            await gate.wait_arrivals(1)
+            gone.cancel()  # the client disconnects mid-registration
+            await send_done.wait()
+            nursery.start_soon(retry)  # and retries
+            await trio.testing.wait_all_tasks_blocked()
+            gate.open()
+        await trio.testing.wait_all_tasks_blocked()
+
+        into_a = [
+            c for c in rig.sender.calls("transfer") if c.remote_address == a.receiver.buffer_address
+        ]
+        assert len(into_a) == 1, into_a
+        assert answered_at
+        assert all(c.start <= answered_at[0] for c in into_a)
+        assert a.landed(NBYTES) == rig.expected["r1"]
+
+
+class _SlowLoadEncoder:
+    """Loads items in a "thread" that a cancelled caller still waits for (shielded), as
+    ``trio.to_thread.run_sync(abandon_on_cancel=False)`` does."""
+
+    ready = True
+
+    def __init__(self, encode_error: Exception | None = None) -> None:
+        self.encode_error = encode_error
+        self.encodes = 0
+
+    async def load_items(self, items: Sequence[str]) -> list[bytes]:
+        with trio.CancelScope(shield=True):
+            await trio.sleep(1.0)
+        return [item.encode() for item in items]
+
+    async def encode(self, images: Sequence[bytes]) -> Embedding:
+        self.encodes += 1
+        await trio.sleep(1.0)
+        if self.encode_error is not None:
+            raise self.encode_error
+        return make_embedding(len(b"".join(images)))
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        await trio.sleep_forever()
+
+
+async def test_an_openers_disconnect_does_not_end_the_request_for_its_siblings(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The first /encode's client vanishes while its items load: the scope it opens must not
+    inherit that cancellation; a sibling's /encode is served, not told 410."""
+    fabric = InMemoryFabric()
+    sender = fabric.engine("encoder")
+    encoder = _SlowLoadEncoder()
+    async with EncodeService.running(engine=sender, encoder=encoder) as service:
+        with trio.move_on_after(0.5) as gone:
+            await service.encode("r1", ["img:a"], receive_count=2)
+        assert gone.cancelled_caught
+        report = await service.encode("r1", ["img:a"], receive_count=2)
+        assert report.shape.rows == 64
+        assert encoder.encodes == 1
+        scope = service.registry.require_live("r1")
+        assert scope.accepting
+        scope.cancel()
+
+
+async def test_a_transient_refusal_leaves_nothing_behind(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A 503 from the encoder (queue full) is not remembered: a later retry of the same
+    req_id is encoded afresh instead of being told 500 for an hour."""
+    fabric = InMemoryFabric()
+    encoder = _SlowLoadEncoder(encode_error=Overloaded("the encoder queue is full"))
+    async with EncodeService.running(engine=fabric.engine("encoder"), encoder=encoder) as service:
+        with pytest.raises(Overloaded):
+            await service.encode("r1", ["img:a"], receive_count=1)
+        await trio.testing.wait_all_tasks_blocked()
+        encoder.encode_error = None
+        report = await service.encode("r1", ["img:a"], receive_count=1)
+        assert report.shape.rows == 64
+        assert encoder.encodes == 2
+        service.registry.require_live("r1").cancel()
+
+
+async def test_a_tombstone_keeps_no_exception_and_no_frame(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A failed request's tombstone holds its status and message, not the exception (whose
+    traceback would keep the request's image bytes alive for an hour)."""
+
+    class Payload:
+        pass
+
+    fabric = InMemoryFabric()
+    payload_alive: list[weakref.ref[Payload]] = []
+
+    class HoldingEncoder(_SlowLoadEncoder):
+        async def encode(self, images: Sequence[bytes]) -> Embedding:
+            payload = Payload()  # a local of the failing frame, as the image bytes are
+            payload_alive.append(weakref.ref(payload))
+            raise EncodeFailed("the model failed")
+
+    async with EncodeService.running(
+        engine=fabric.engine("encoder"), encoder=HoldingEncoder()
+    ) as service:
+        with pytest.raises(EncodeFailed):
+            await service.encode("r1", ["img:a"], receive_count=1)
+        await trio.testing.wait_all_tasks_blocked()
+        gc.collect()
+        assert payload_alive[0]() is None
+        with pytest.raises(EncodeFailed, match="the model failed"):
+            await service.encode("r1", ["img:a"], receive_count=1)
+
+
+async def test_interrupting_shutdown_cuts_the_grace_short(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A second shutdown request (a second Ctrl-C, or a cancel of the first) ends the grace
+    period at once instead of starting it over; every registration is still released."""
+    fabric = InMemoryFabric()
+    settings = ServiceSettings(send_timeout=180, shutdown_grace=30)
+    async with EncodeService.running(
+        engine=fabric.engine("encoder"), encoder=_SlowLoadEncoder(), settings=settings
+    ) as service:
+        await service.encode("waiting", ["img:a"], receive_count=2)
+        started = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(service.shutdown)
+            await trio.sleep(5)
+            report = await service.shutdown()  # the second request
+        assert trio.current_time() - started == pytest.approx(5)
+        assert (report.finished, report.cut_short) == (0, 1)
+    assert service.ledger.live_registrations == 0
+
+    # A cancel of the one running shutdown cuts it short too, and still releases everything.
+    async with EncodeService.running(
+        engine=fabric.engine("encoder2"), encoder=_SlowLoadEncoder(), settings=settings
+    ) as service:
+        await service.encode("waiting", ["img:a"], receive_count=2)
+        started = trio.current_time()
+        with trio.move_on_after(5):
+            await service.shutdown()
+        assert trio.current_time() - started == pytest.approx(5)
+        assert service.shutdown_report is not None
+        assert service.shutdown_report.cut_short == 1
+        assert len(service.registry) == 0
+
+
+async def test_an_unexpected_error_ends_only_its_own_request(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A bug inside one request's send (here: an embedding whose memory cannot be read) ends
+    that request with a 500 and a logged traceback; the service and other requests go on."""
+
+    class BrokenMemory:
+        address = 0
+        nbytes = 0  # the ledger refuses an empty range with ValueError: not a RequestError
+        rows = 0
+        dim = 0
+        dtype = "float32"
+        checksum = "xxh3-64:0"
+
+        def copy(self) -> BrokenMemory:
+            return self
+
+    async with lifecycle_rig() as rig:
+
+        async def broken() -> BrokenMemory:
+            return BrokenMemory()
+
+        await rig.open("bad", broken, receive_count=1)  # type: ignore[arg-type]
+        encode, _ = rig.encoder("good", seed=7)
+        await rig.open("good", encode, receive_count=1)
+        a, b = await rig.landings(2)
+        with caplog.at_level(logging.ERROR, logger="trio_encode"), pytest.raises(InternalError):
+            await rig.registry.require_live("bad").send(a.receiver)
+        assert any(r.exc_info for r in caplog.records), "the traceback is logged"
+        report = await rig.registry.require_live("good").send(b.receiver)
+        assert isinstance(report, SendReport)
+        assert b.landed(NBYTES) == rig.expected["good"]
+        await rig.assert_nothing_held()
+
+
+async def test_a_failed_deregistration_keeps_the_memory_until_a_retry_succeeds(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The engine refuses a deregistration with a code other than "not registered": the
+    memory may still be registered, so it is quarantined (kept alive, counted) and the
+    deregistration retried later, never freed under the engine."""
+    async with lifecycle_rig() as rig:
+        encode, alive = rig.encoder("r1", seed=9)
+        await rig.open("r1", encode, receive_count=1)
+        (a,) = await rig.landings(1)
+        rig.sender.fail_next("deregister", TRANSFER_FAILED)
+        await rig.registry.require_live("r1").send(a.receiver)
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(rig.registry) == 0
+        assert alive() is not None, "freed while the engine may still have it registered"
+        assert rig.ledger.quarantined == 1
+        assert len(rig.sender.live_registrations) == 1
+
+        await rig.ledger.retry_quarantined()
+        assert rig.ledger.quarantined == 0
+        assert alive() is None
+        await rig.assert_nothing_held()
+
+
+async def test_a_deregistration_of_unknown_memory_is_not_quarantined(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """-3 means the engine holds no registration there: nothing to keep alive."""
+    async with lifecycle_rig() as rig:
+        encode, alive = rig.encoder("r1", seed=10)
+        await rig.open("r1", encode, receive_count=1)
+        (a,) = await rig.landings(1)
+        rig.sender.fail_next("deregister", INVALID_ADDRESS)
+        await rig.registry.require_live("r1").send(a.receiver)
+        await trio.testing.wait_all_tasks_blocked()
+        assert rig.ledger.quarantined == 0
+        assert alive() is None
+
+
+async def test_invalid_input_from_the_encoder_is_not_remembered(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Bad input leaves nothing behind either (unchanged by the tombstone rework)."""
+    async with lifecycle_rig() as rig:
+        bad = rig.failing_encoder()
+        bad.error = InvalidInput("not an image")
+        await rig.open("bad", bad)
+        with pytest.raises(InvalidInput):
+            await rig.registry.require_live("bad").wait_encoded()
+        await trio.testing.wait_all_tasks_blocked()
+        assert rig.registry.find_live("bad") is None
