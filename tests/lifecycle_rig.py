@@ -20,6 +20,7 @@ import trio.testing
 
 from trio_encode.embedding import Embedding
 from trio_encode.engine.memory import InMemoryEngine, InMemoryFabric
+from trio_encode.engine.threads import ThreadSettings
 from trio_encode.errors import EncodeFailed
 from trio_encode.registrations import RegistrationLedger
 from trio_encode.registry import ScopeRegistry
@@ -174,12 +175,19 @@ class Rig:
 
 @asynccontextmanager
 async def lifecycle_rig(
-    send_timeout: float = 180.0, *, register_latency: float = 0.0, transfer_latency: float = 0.0
+    send_timeout: float = 180.0,
+    *,
+    register_latency: float = 0.0,
+    transfer_latency: float = 0.0,
+    threads: ThreadSettings | None = None,
 ) -> AsyncIterator[Rig]:
     """A registry with its service nursery, over an in-memory sender engine."""
     fabric = InMemoryFabric()
     sender = fabric.engine(
-        "encoder", register_latency=register_latency, transfer_latency=transfer_latency
+        "encoder",
+        register_latency=register_latency,
+        transfer_latency=transfer_latency,
+        threads=threads,
     )
     observer = RecordingObserver()
     ledger = RegistrationLedger(sender, observer)

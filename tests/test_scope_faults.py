@@ -20,13 +20,15 @@ import trio.testing
 
 from lifecycle_rig import lifecycle_rig, make_embedding
 from trio_encode.embedding import Embedding
-from trio_encode.engine import INVALID_ADDRESS, TRANSFER_FAILED
+from trio_encode.engine import INVALID_ADDRESS, TRANSFER_FAILED, EngineError
 from trio_encode.engine.memory import InMemoryFabric
+from trio_encode.engine.threads import ThreadSettings
 from trio_encode.errors import (
     EncodeFailed,
     InternalError,
     InvalidInput,
     Overloaded,
+    ShuttingDown,
 )
 from trio_encode.request_types import SendReport
 from trio_encode.service import EncodeService, ServiceSettings
@@ -294,3 +296,85 @@ async def test_invalid_input_from_the_encoder_is_not_remembered(
             await rig.registry.require_live("bad").wait_encoded()
         await trio.testing.wait_all_tasks_blocked()
         assert rig.registry.find_live("bad") is None
+
+
+async def test_a_frozen_rank_parks_only_its_own_sends(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A rank that stops answering holds at most ``sends_per_session`` transfer threads until
+    Mooncake's timeout fails them; an unrelated request's transfer and release go on at once."""
+    threads = ThreadSettings(transfer_threads=8, control_threads=2, sends_per_session=2)
+    async with lifecycle_rig(threads=threads) as rig:
+        frozen, healthy = await rig.landings(2)
+        rig.fabric.freeze(frozen.engine.session_id)
+        answers: list[object] = []
+
+        async def stuck(i: int) -> None:
+            encode, _ = rig.encoder(f"stuck{i}", seed=100 + i)
+            await rig.open(f"stuck{i}", encode)
+            try:
+                answers.append(await rig.registry.require_live(f"stuck{i}").send(frozen.receiver))
+            except EngineError as exc:
+                answers.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(12):
+                nursery.start_soon(stuck, i)
+            await trio.sleep(1)
+            into_frozen = [
+                c for c in rig.sender.in_flight if c.session_id == frozen.engine.session_id
+            ]
+            assert len(into_frozen) == threads.sends_per_session
+
+            began = trio.current_time()
+            encode, alive = rig.encoder("other", seed=7)
+            await rig.open("other", encode)
+            other = rig.registry.require_live("other")
+            await other.send(healthy.receiver)
+            await other.wait_ended()
+            assert trio.current_time() - began < 1, "the unrelated request waited"
+            assert healthy.landed(NBYTES) == rig.expected["other"]
+            assert alive() is None
+        # Each frozen send failed after the timeout, a pool's worth at a time, with -1.
+        assert len(answers) == 12
+        assert all(isinstance(a, EngineError) and a.code == TRANSFER_FAILED for a in answers)
+        await rig.assert_nothing_held()
+
+
+async def test_releases_never_wait_behind_transfers(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """With every transfer thread busy, a scope that ends still deregisters at once: control
+    calls have their own threads."""
+    threads = ThreadSettings(transfer_threads=2, control_threads=1, sends_per_session=2)
+    async with lifecycle_rig(send_timeout=10, threads=threads) as rig:
+        a, b = await rig.landings(2)
+        gate = rig.sender.gate("transfer")
+        try:
+            async with trio.open_nursery() as nursery:
+                for i, landing in enumerate((a, b)):
+                    encode, _ = rig.encoder(f"busy{i}", seed=i)
+                    await rig.open(f"busy{i}", encode)
+                    nursery.start_soon(rig.registry.require_live(f"busy{i}").send, landing.receiver)
+                await gate.wait_arrivals(2)
+                # A third request leases its memory, then its backstop fires before it can
+                # get a transfer thread: it must still release at once.
+                encode, alive = rig.encoder("ending", seed=3)
+                await rig.open("ending", encode)
+                ending = rig.registry.require_live("ending")
+
+                async def cut_short() -> None:
+                    with pytest.raises(ShuttingDown):
+                        await ending.send(a.receiver)
+
+                nursery.start_soon(cut_short)
+                await trio.testing.wait_all_tasks_blocked()
+                assert rig.ledger.live_registrations == 3
+                ending.cancel()
+                with trio.fail_after(0.001):
+                    await ending.wait_ended()
+                assert rig.sender.count("deregister", ok=True) == 1
+                assert alive() is None
+                gate.open()
+        finally:
+            gate.open()

@@ -323,6 +323,7 @@ async def test_two_requests_sharing_memory_register_it_once(
             finally:
                 gate.open()  # a held "thread" must never outlive a failed assertion
 
+        await trio.testing.wait_all_tasks_blocked()  # both scopes have released
         assert rig.sender.count("register") == rig.sender.count("deregister") == 1
         assert ra.landed(NBYTES) == rb.landed(NBYTES) == rig.expected["a"]
         await rig.assert_nothing_held()

@@ -10,6 +10,11 @@ Tests steer it with scripted latencies, scripted failures and gates, and read ba
 of every call and a list of *violations*: deregistrations of memory that an in-flight transfer
 was still reading from or writing into.
 
+Thread capacity is modelled with the same limiters the Mooncake engine uses
+(:class:`~trio_encode.engine.threads.EngineThreads`): a call first waits for a "thread" of its
+pool (and a transfer for a slot of its receiver's bound), so starvation by a peer that stops
+answering (:meth:`InMemoryFabric.freeze`) is a deterministic test.
+
 Timing of effects (each the conservative choice): a registration counts only once
 ``register`` has returned; a deregistration takes effect the moment ``deregister`` starts; a
 transfer checks its ranges when it starts, checks again that they are still registered right
@@ -21,7 +26,8 @@ from __future__ import annotations
 import ctypes
 import itertools
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -33,6 +39,7 @@ from trio_encode.engine.base import (
     TRANSFER_FAILED,
     EngineError,
 )
+from trio_encode.engine.threads import EngineThreads, ThreadSettings
 
 CallKind = Literal["register", "deregister", "transfer"]
 CALL_KINDS: tuple[CallKind, ...] = ("register", "deregister", "transfer")
@@ -161,10 +168,25 @@ class InMemoryFabric:
     """The network the in-memory engines share: session ids to engines, and one list of the
     violations any of them saw."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, transfer_timeout: float = 30.0) -> None:
         self._engines: dict[str, InMemoryEngine] = {}
         self._numbers = itertools.count()
+        self._frozen: dict[str, trio.Event] = {}
+        self.transfer_timeout = transfer_timeout
+        """How long a transfer into a frozen peer hangs before it fails with -1 (Mooncake's
+        ``MC_TRANSFER_TIMEOUT``)."""
         self.violations: list[str] = []
+
+    def freeze(self, session_id: str) -> None:
+        """The peer stops answering (a paused process, a wedged NIC): transfers into it hang
+        until :meth:`thaw`, or fail with -1 after ``transfer_timeout``."""
+        self._frozen.setdefault(session_id, trio.Event())
+
+    def thaw(self, session_id: str) -> None:
+        """The peer answers again; transfers held by :meth:`freeze` go on."""
+        event = self._frozen.pop(session_id, None)
+        if event is not None:
+            event.set()
 
     def engine(
         self,
@@ -173,6 +195,7 @@ class InMemoryFabric:
         register_latency: float = 0.0,
         deregister_latency: float = 0.0,
         transfer_latency: float = 0.0,
+        threads: ThreadSettings | None = None,
     ) -> InMemoryEngine:
         """Create an engine on this fabric, named ``NAME:PORT`` like a Mooncake session id."""
         number = next(self._numbers)
@@ -183,6 +206,7 @@ class InMemoryFabric:
             register_latency=register_latency,
             deregister_latency=deregister_latency,
             transfer_latency=transfer_latency,
+            threads=threads,
         )
         self._engines[session_id] = engine
         return engine
@@ -213,8 +237,10 @@ class InMemoryEngine:
         register_latency: float = 0.0,
         deregister_latency: float = 0.0,
         transfer_latency: float = 0.0,
+        threads: ThreadSettings | None = None,
     ) -> None:
         self.fabric = fabric
+        self.threads = EngineThreads(threads)
         self._session_id = session_id
         self._registrations: dict[int, Registration] = {}
         self._scripts: dict[CallKind, _Script] = {
@@ -240,18 +266,20 @@ class InMemoryEngine:
         """Register ``[address, address + length)`` once the call returns; -7 if it overlaps
         a live registration, -1 for an empty range."""
         await trio.lowlevel.checkpoint_if_cancelled()
-        call, scripted = self._begin("register", self.session_id, address, length, None)
-        await self._run_shielded(call)
-        code = scripted if scripted is not None else self._do_register(address, length)
+        async with _thread(self.threads.control):
+            call, scripted = self._begin("register", self.session_id, address, length, None)
+            await self._run_shielded(call)
+            code = scripted if scripted is not None else self._do_register(address, length)
         self._finish(call, code)
 
     async def deregister(self, address: int) -> None:
         """Release the registration starting at ``address`` as soon as the call starts (the
         worst case for a transfer still using it); -3 if none starts there."""
         await trio.lowlevel.checkpoint_if_cancelled()
-        call, scripted = self._begin("deregister", self.session_id, address, None, None)
-        code = scripted if scripted is not None else self._do_deregister(address)
-        await self._run_shielded(call)
+        async with _thread(self.threads.control):
+            call, scripted = self._begin("deregister", self.session_id, address, None, None)
+            code = scripted if scripted is not None else self._do_deregister(address)
+            await self._run_shielded(call)
         self._finish(call, code)
 
     async def transfer(
@@ -260,22 +288,29 @@ class InMemoryEngine:
         """Copy ``length`` bytes from ``local_address`` into ``remote_address`` on engine
         ``session_id`` at the end of the call, if both ranges are still registered then."""
         await trio.lowlevel.checkpoint_if_cancelled()
-        call, scripted = self._begin("transfer", session_id, local_address, length, remote_address)
-        flight: _InFlightTransfer | None = None
-        code = scripted
-        if code is None:
-            code, flight = self._check_transfer(
-                call, session_id, local_address, remote_address, length
+        async with self.threads.session_slot(session_id), _thread(self.threads.transfers):
+            call, scripted = self._begin(
+                "transfer", session_id, local_address, length, remote_address
             )
-        if flight is not None:
-            self._in_flight_transfers.append(flight)
-        try:
-            await self._run_shielded(call)
-        finally:
+            flight: _InFlightTransfer | None = None
+            code = scripted
+            if code is None:
+                code, flight = self._check_transfer(
+                    call, session_id, local_address, remote_address, length
+                )
             if flight is not None:
-                self._in_flight_transfers.remove(flight)
-        if flight is not None:
-            code = self._complete_transfer(flight, local_address, remote_address, length)
+                self._in_flight_transfers.append(flight)
+            try:
+                await self._run_shielded(call)
+                if flight is not None and not await self._peer_answers(session_id):
+                    code, flight = TRANSFER_FAILED, None
+            finally:
+                for held in self._in_flight_transfers:
+                    if held.call is call:
+                        self._in_flight_transfers.remove(held)
+                        break
+            if flight is not None:
+                code = self._complete_transfer(flight, local_address, remote_address, length)
         self._finish(call, code)
 
     # -- scripting -----------------------------------------------------------------------------
@@ -368,6 +403,16 @@ class InMemoryEngine:
             if script.gate is not None and not script.gate.is_open:
                 await script.gate._pass(call)
             await trio.sleep(script.next_latency(call))
+
+    async def _peer_answers(self, session_id: str) -> bool:
+        """False if the peer is frozen and stays so past the transfer timeout (shielded)."""
+        thawed = self.fabric._frozen.get(session_id)
+        if thawed is None:
+            return True
+        with trio.CancelScope(shield=True), trio.move_on_after(self.fabric.transfer_timeout):
+            await thawed.wait()
+            return True
+        return False
 
     def _finish(self, call: CallRecord, code: int) -> None:
         call.code = code
@@ -466,3 +511,15 @@ class InMemoryEngine:
         if length:
             ctypes.memmove(remote_address, local_address, length)
         return OK
+
+
+@asynccontextmanager
+async def _thread(limiter: trio.CapacityLimiter) -> AsyncIterator[None]:
+    """Hold one "worker thread" of ``limiter`` for the body, as ``trio.to_thread.run_sync``
+    does: waiting for it is cancellable, holding it is not a checkpoint."""
+    token = object()
+    await limiter.acquire_on_behalf_of(token)
+    try:
+        yield
+    finally:
+        limiter.release_on_behalf_of(token)

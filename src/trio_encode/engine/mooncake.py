@@ -10,12 +10,13 @@ to finish, and sees the cancellation at its next checkpoint.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import trio
 
 from trio_encode.engine.base import EngineError
+from trio_encode.engine.threads import EngineThreads, ThreadSettings
 
 _INSTALL_HINT = (
     "the Mooncake transfer engine is not usable: {error}. Install it with "
@@ -44,6 +45,8 @@ class MooncakeSettings:
     metadata_server: str = "P2PHANDSHAKE"
     protocol: str = "tcp"
     device_name: str = ""
+    threads: ThreadSettings = field(default_factory=ThreadSettings)
+    """Worker threads for transfers and for (de)registration, and the bound per receiver."""
 
 
 class MooncakeEngine:
@@ -56,6 +59,7 @@ class MooncakeEngine:
         self._raw = raw
         self._settings = settings
         self._session_id = f"{settings.hostname}:{raw.get_rpc_port()}"
+        self.threads = EngineThreads(settings.threads)
 
     @classmethod
     async def create(cls, settings: MooncakeSettings | None = None) -> MooncakeEngine:
@@ -102,7 +106,11 @@ class MooncakeEngine:
     async def register(self, address: int, length: int) -> None:
         """Register ``[address, address + length)``; -7 if it overlaps a live registration."""
         code = await trio.to_thread.run_sync(
-            self._raw.register_memory, address, length, abandon_on_cancel=False
+            self._raw.register_memory,
+            address,
+            length,
+            abandon_on_cancel=False,
+            limiter=self.threads.control,
         )
         if code != 0:
             raise EngineError(
@@ -112,7 +120,10 @@ class MooncakeEngine:
     async def deregister(self, address: int) -> None:
         """Release the registration starting at ``address``; -3 if none starts there."""
         code = await trio.to_thread.run_sync(
-            self._raw.unregister_memory, address, abandon_on_cancel=False
+            self._raw.unregister_memory,
+            address,
+            abandon_on_cancel=False,
+            limiter=self.threads.control,
         )
         if code != 0:
             raise EngineError("deregister", int(code), address=address, session_id=self.session_id)
@@ -121,15 +132,18 @@ class MooncakeEngine:
         self, session_id: str, local_address: int, remote_address: int, length: int
     ) -> None:
         """Write ``length`` bytes into ``session_id``'s registered memory and wait until they
-        have landed (``transfer_sync_write``)."""
-        code = await trio.to_thread.run_sync(
-            self._raw.transfer_sync_write,
-            session_id,
-            local_address,
-            remote_address,
-            length,
-            abandon_on_cancel=False,
-        )
+        have landed (``transfer_sync_write``). Waits for a thread of the transfer pool and a
+        slot of ``session_id``'s own bound first (see :mod:`trio_encode.engine.threads`)."""
+        async with self.threads.session_slot(session_id):
+            code = await trio.to_thread.run_sync(
+                self._raw.transfer_sync_write,
+                session_id,
+                local_address,
+                remote_address,
+                length,
+                abandon_on_cancel=False,
+                limiter=self.threads.transfers,
+            )
         if code != 0:
             raise EngineError(
                 "transfer",

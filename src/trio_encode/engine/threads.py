@@ -1,0 +1,81 @@
+"""Worker-thread capacity for engine calls, split so that one stuck peer cannot starve the rest.
+
+Every Mooncake call blocks a thread, and a transfer to a peer that stops answering (a paused
+process, a wedged NIC) holds its thread until Mooncake's own timeout (``MC_TRANSFER_TIMEOUT``,
+30 s by default). Borrowing Trio's one default limiter for everything let a few dozen such
+sends starve every other request's transfers, every scope's deregistration and the encoder's
+forward pass. So:
+
+- transfers and control calls (register, deregister) have separate limiters: a release never
+  waits behind transfers;
+- each receiver session may hold at most ``sends_per_session`` transfer threads: a frozen rank
+  parks only its own sends, and the others keep the rest of the pool.
+
+Waiting for a thread is a checkpoint a cancelled caller leaves from without starting its call;
+once a thread runs, the call runs to completion (the engines never abandon a thread).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import trio
+
+
+@dataclass(frozen=True)
+class ThreadSettings:
+    """How many worker threads engine calls may hold at once."""
+
+    transfer_threads: int = 32
+    """Transfers in flight across all receivers."""
+    control_threads: int = 4
+    """Register and deregister calls in flight (kept apart so releases never queue behind
+    transfers)."""
+    sends_per_session: int = 8
+    """Transfers in flight to any one receiver engine (``session_id``): a receiver that stops
+    answering holds at most this many threads."""
+
+    def __post_init__(self) -> None:
+        for name in ("transfer_threads", "control_threads", "sends_per_session"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+
+class EngineThreads:
+    """The limiters one engine's calls borrow their threads from."""
+
+    def __init__(self, settings: ThreadSettings | None = None) -> None:
+        self.settings = settings if settings is not None else ThreadSettings()
+        self.transfers = trio.CapacityLimiter(self.settings.transfer_threads)
+        self.control = trio.CapacityLimiter(self.settings.control_threads)
+        self._sessions: dict[str, trio.CapacityLimiter] = {}
+
+    def sends_in_flight(self, session_id: str) -> int:
+        """Transfers holding (or waiting for) a thread for ``session_id`` now."""
+        limiter = self._sessions.get(session_id)
+        if limiter is None:
+            return 0
+        stats = limiter.statistics()
+        return stats.borrowed_tokens + stats.tasks_waiting
+
+    @asynccontextmanager
+    async def session_slot(self, session_id: str) -> AsyncIterator[None]:
+        """Hold one of ``session_id``'s send slots for the body (a transfer to it)."""
+        limiter = self._sessions.get(session_id)
+        if limiter is None:
+            limiter = self._sessions[session_id] = trio.CapacityLimiter(
+                self.settings.sends_per_session
+            )
+        token = object()
+        try:
+            await limiter.acquire_on_behalf_of(token)
+            try:
+                yield
+            finally:
+                limiter.release_on_behalf_of(token)
+        finally:
+            stats = limiter.statistics()
+            if stats.borrowed_tokens == 0 and stats.tasks_waiting == 0:
+                self._sessions.pop(session_id, None)
