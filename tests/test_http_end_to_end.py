@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import trio
 
 from support.encoder import embedding_size, expected_embedding, image_uri
 from support.engines import TP, Fleet, fleet_fixture  # noqa: F401  (the fixture)
 from support.harness import P, landing_pools, serving
-from trio_encode.client import LandingSlot, metric_value
+from trio_encode.client import ChecksumMismatch, LandingSlot, metric_value
+from trio_encode.errors import RequestReleased
 
 REQUESTS = 12
 IMAGES = 2
@@ -40,6 +42,8 @@ async def test_tp4_ranks_encode_and_send_many_requests_at_once(fleet: Fleet) -> 
                 "float32",
             )
             assert 1 <= sent.receivers_done <= TP
+            assert sent.checksum == encoded.checksum
+            slot.verify(sent.embedding_size, sent.checksum)
             landed[req, r] = (slot, sent.embedding_len)
 
         async with trio.open_nursery() as nursery:
@@ -62,3 +66,31 @@ async def test_tp4_ranks_encode_and_send_many_requests_at_once(fleet: Fleet) -> 
         )
         assert metric_value(text, P + "backstop_expiries_total") == 0
         assert harness.encoder.runs == REQUESTS  # type: ignore[attr-defined]
+
+
+async def test_a_rank_whose_answer_was_lost_gets_it_again_after_completion(
+    fleet: Fleet,
+) -> None:
+    """The request completed; one rank never saw its 200 and retries: 200 again, marked as a
+    repeat. A rank that was never served is told 410, and a corrupted copy fails to verify."""
+    size = embedding_size(1)
+    async with (
+        serving(fleet.server) as harness,
+        landing_pools(fleet, 2 * size + 4096) as pools,
+    ):
+        item = [image_uri(b"lost answer")]
+        encoded = await harness.client.encode("lost", item, receive_count=1)
+        slot = pools[0].allocate(size)
+        first = await harness.client.send("lost", pools[0].session_id, slot.address)
+        await harness.settled()
+        again = await harness.client.send("lost", pools[0].session_id, slot.address)
+        assert (first.repeat, again.repeat) == (False, True)
+        assert again.checksum == first.checksum == encoded.checksum
+        assert metric_value(await harness.metrics(), P + "transfer_bytes_total") == size
+        other = pools[1].allocate(size)
+        with pytest.raises(RequestReleased):
+            await harness.client.send("lost", pools[1].session_id, other.address)
+        slot.verify(size, again.checksum)
+        slot.raw()[0] ^= 0xFF
+        with pytest.raises(ChecksumMismatch):
+            slot.verify(size, again.checksum)

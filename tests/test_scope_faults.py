@@ -19,7 +19,7 @@ import trio
 import trio.testing
 
 from lifecycle_rig import lifecycle_rig, make_embedding
-from trio_encode.embedding import Embedding
+from trio_encode.embedding import Embedding, checksum_of
 from trio_encode.engine import INVALID_ADDRESS, TRANSFER_FAILED, EngineError
 from trio_encode.engine.memory import InMemoryFabric
 from trio_encode.engine.threads import ThreadSettings
@@ -28,6 +28,7 @@ from trio_encode.errors import (
     InternalError,
     InvalidInput,
     Overloaded,
+    RequestReleased,
     ShuttingDown,
 )
 from trio_encode.request_types import SendReport
@@ -378,3 +379,51 @@ async def test_releases_never_wait_behind_transfers(
                 gate.open()
         finally:
             gate.open()
+
+
+async def test_a_served_receiver_that_retries_after_completion_gets_its_answer_again(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A rank whose 200 was lost retries after the request completed: it gets the same answer,
+    marked as a repeat, and no bytes move; a receiver that was never served still gets 410."""
+    async with lifecycle_rig() as rig:
+        encode, _ = rig.encoder("r1", seed=21)
+        await rig.open("r1", encode, receive_count=2)
+        a, b, stranger = await rig.landings(3)
+        scope = rig.registry.require_live("r1")
+        first = await scope.send(a.receiver)
+        again_while_live = await scope.send(a.receiver)
+        assert again_while_live.repeat
+        assert not first.repeat
+        await scope.send(b.receiver)
+        await scope.wait_ended()
+        transfers = rig.sender.count("transfer")
+
+        repeat = rig.registry.repeat_send("r1", a.receiver)
+        assert repeat is not None
+        assert repeat.repeat
+        assert repeat.shape == first.shape
+        assert (repeat.receivers_done, repeat.receive_count) == (2, 2)
+        assert rig.registry.repeat_send("r1", stranger.receiver) is None
+        with pytest.raises(RequestReleased):
+            rig.registry.require_live("r1")
+        assert rig.sender.count("transfer") == transfers
+        await rig.assert_nothing_held()
+
+
+async def test_every_answer_carries_the_checksum_of_the_bytes_sent(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The checksum in the answers is that of the bytes that landed."""
+    async with lifecycle_rig() as rig:
+        embedding = make_embedding(5)
+        expected = checksum_of(embedding.tensor.numpy().tobytes())
+        encode, _ = rig.encoder("r1", embedding)
+        del embedding
+        await rig.open("r1", encode)
+        (a,) = await rig.landings(1)
+        scope = rig.registry.require_live("r1")
+        shape = await scope.wait_encoded()
+        report = await scope.send(a.receiver)
+        assert shape.checksum == report.shape.checksum == expected
+        assert checksum_of(a.landed(NBYTES)) == expected

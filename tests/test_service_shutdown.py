@@ -86,3 +86,44 @@ async def test_shutdown_finishes_what_it_can_and_cuts_the_rest(
         assert len(service.registry) == 0
         assert fabric.violations == []
     del buffer
+
+
+async def test_a_second_signal_cuts_the_grace_short() -> None:
+    """SIGTERM starts a graceful shutdown with a 30 s grace; a second signal (an impatient
+    Ctrl-C) ends it at once, without a traceback, and every registration is released."""
+    import os
+    import signal
+    from functools import partial
+
+    from support.encoder import StandInEncoder, image_uri
+    from trio_encode.client import EncodeClient
+    from trio_encode.server.serve import serve
+    from trio_encode.settings import ServerSettings
+
+    fabric = InMemoryFabric()
+    settings = ServerSettings(port=0, shutdown_grace=30.0)
+    async with trio.open_nursery() as nursery:
+        running = await nursery.start(
+            partial(
+                serve,
+                settings,
+                engine=fabric.engine("encoder"),
+                encoder=StandInEncoder(),
+                handle_signals=True,
+            )
+        )
+        async with EncodeClient(running.url) as client:
+            await client.encode("waits", [image_uri(b"x")], receive_count=2)
+        began = trio.current_time()
+        os.kill(os.getpid(), signal.SIGTERM)
+        with trio.fail_after(5):
+            while not running.service.registry.closed:  # noqa: ASYNC110
+                await trio.sleep(0.01)
+        await trio.sleep(0.2)
+        assert len(running.service.registry) == 1  # still in its grace
+        os.kill(os.getpid(), signal.SIGINT)
+    assert trio.current_time() - began < 5
+    report = running.service.shutdown_report
+    assert report is not None
+    assert report.cut_short == 1
+    assert running.service.ledger.live_registrations == 0

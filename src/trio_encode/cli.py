@@ -557,13 +557,18 @@ def bench(
 
 
 def _run(fn: Callable[..., Any], *args: Any) -> Any:
-    """``trio.run`` with start-up failures reported as one line, not a traceback."""
+    """``trio.run`` with start-up failures reported as one line, not a traceback, and an
+    interrupt (Ctrl-C, also one that arrives wrapped in an exception group) as exit 130."""
     expected = (EngineError, RuntimeError, ValueError, OSError)
     try:
         return trio.run(fn, *args)
+    except KeyboardInterrupt:
+        raise click.Abort() from None
     except expected as exc:
         raise click.ClickException(str(exc)) from exc
-    except ExceptionGroup as group:
+    except BaseExceptionGroup as group:
+        if group.subgroup(KeyboardInterrupt) is not None:
+            raise click.Abort() from None
         matched, rest = group.split(expected)
         if matched is None or rest is not None:
             raise

@@ -176,6 +176,10 @@ class EncodeService:
         scope.check_receive_count(receive_count)
         return await scope.send(receiver)
 
+    def end_grace(self) -> None:
+        """Cut a running shutdown's grace period short: live scopes are cancelled now."""
+        self._grace.cancel()
+
     async def shutdown(self) -> ShutdownReport:
         """Refuse new requests, let live scopes finish within the grace, cancel the rest.
 
@@ -184,7 +188,7 @@ class EncodeService:
         instead of starting it over; the release still completes, shielded.
         """
         if self.registry.closed:
-            self._grace.cancel()
+            self.end_grace()
             with trio.CancelScope(shield=True):
                 await self._shutdown_done.wait()
             assert self.shutdown_report is not None

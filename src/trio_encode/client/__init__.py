@@ -9,9 +9,10 @@ from trio_encode.client.http import (
     UnexpectedResponse,
     metric_value,
 )
-from trio_encode.client.receiver import LandingPool, LandingSlot, PoolExhausted
+from trio_encode.client.receiver import ChecksumMismatch, LandingPool, LandingSlot, PoolExhausted
 
 __all__ = [
+    "ChecksumMismatch",
     "EncodeClient",
     "EncodeResult",
     "LandingPool",

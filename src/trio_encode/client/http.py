@@ -67,6 +67,8 @@ class EncodeResult:
     embedding_size: int
     dtype: str
     receive_count: int
+    checksum: str
+    """``algorithm:hex`` of the embedding's bytes (:meth:`LandingSlot.verify` checks it)."""
     body: dict[str, Any]
     """The whole answer (with the echoed fields), to pass along as the contract intends."""
 
@@ -80,6 +82,9 @@ class SendResult:
     dtype: str
     receivers_done: int
     receive_count: int
+    checksum: str
+    repeat: bool
+    """The receiver had already been served and this answer repeats it (no bytes moved)."""
 
 
 class EncodeClient:
@@ -135,6 +140,7 @@ class EncodeClient:
             embedding_size=answer["embedding_size"],
             dtype=answer["dtype"],
             receive_count=answer["receive_count"],
+            checksum=answer["checksum"],
             body=answer,
         )
 

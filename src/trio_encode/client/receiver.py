@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import trio
 
+from trio_encode.embedding import checksum_of
 from trio_encode.engine import TransferEngine
 
 _ALIGN = 64  # cache-line aligned slots: no two slots share a line the engine writes
@@ -24,6 +25,10 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 class PoolExhausted(Exception):
     """No free range in the pool is large enough; release slots or use a larger pool."""
+
+
+class ChecksumMismatch(Exception):
+    """The bytes that landed are not the bytes the server encoded."""
 
 
 @dataclass(eq=False)
@@ -54,6 +59,21 @@ class LandingSlot:
             raise ValueError(f"{rows}x{dim} {dtype} does not fit in a {self.nbytes}-byte slot")
         data = self.raw()[: rows * dim * item]
         return data.view(_DTYPES[dtype]).reshape(rows, dim).clone()
+
+    def verify(self, nbytes: int, checksum: str) -> None:
+        """Check that the first ``nbytes`` bytes are those the server encoded: ``checksum``
+        is the ``checksum`` field of its ``/encode`` or ``/send`` answer.
+
+        Raises :class:`ChecksumMismatch` if not. Reads every byte (about 10 GB/s).
+        """
+        if nbytes > self.nbytes:
+            raise ValueError(f"{nbytes} bytes do not fit in a {self.nbytes}-byte slot")
+        landed = checksum_of(self.raw()[:nbytes].numpy().data)
+        if landed != checksum:
+            raise ChecksumMismatch(
+                f"the {nbytes} bytes at {self.address:#x} hash to {landed}, the server sent "
+                f"{checksum}"
+            )
 
     def release(self) -> None:
         """Give the range back to the pool (once; later calls are ignored)."""

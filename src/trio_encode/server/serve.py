@@ -135,13 +135,17 @@ async def _serve_http(
 
 
 async def _stop_on_signal(running: RunningServer, watching: trio.CancelScope) -> None:
-    # After the first signal the default handlers are back: a second Ctrl-C interrupts the
-    # grace period (the service still releases every registration on the way out).
+    # The first signal starts a graceful shutdown; a second one (an impatient Ctrl-C) cuts its
+    # grace period short. Either way every registration is released before the process exits.
     with watching, trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for signum in signals:
-            log.info("received %s", signal.Signals(signum).name)
-            running.stop()
-            return
+            name = signal.Signals(signum).name
+            if not running._stop.is_set():
+                log.info("received %s: shutting down gracefully (again to cut it short)", name)
+                running.stop()
+            else:
+                log.warning("received %s again: cutting the grace period short", name)
+                running.service.end_grace()
 
 
 @asynccontextmanager
