@@ -1,6 +1,6 @@
-"""The lifecycle invariants, one failure story each, on the mock clock with forced interleavings.
+"""The lifecycle invariants, one failure class each, on the mock clock with forced interleavings.
 
-Each test is named after a failure that SGLang, vLLM or Dynamo shipped (``brief.md``); the
+Each test is named after a failure that SGLang, vLLM or Dynamo shipped (``docs/failures.md``); the
 numbers in the docstrings are the invariants of ``lifecycle.md`` it holds the scope to.
 """
 
@@ -32,7 +32,7 @@ NBYTES = 64 * 32 * 4
 
 
 async def test_sibling_sends_register_once(autojump_clock: trio.testing.MockClock) -> None:
-    """Invariant 1, story 1: four TP siblings send at once while the first is still
+    """Invariant 1, failure 1: four TP siblings send at once while the first is still
     registering; the memory is registered once, not four times (-7)."""
     async with lifecycle_rig(register_latency=1.0, transfer_latency=0.5) as rig:
         encode, _ = rig.encoder("r1", seed=1)
@@ -68,7 +68,7 @@ async def test_sibling_sends_register_once(autojump_clock: trio.testing.MockCloc
 async def test_embedding_is_dropped_only_after_deregistration(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    """Invariant 3, story 2: a fast sibling finishing must not drop the embedding a slow
+    """Invariant 3, failure 2: a fast sibling finishing must not drop the embedding a slow
     sibling still sends; it is dropped once, after the deregistration returned."""
     async with lifecycle_rig() as rig:
         encode, alive = rig.encoder("r1", seed=2)
@@ -104,7 +104,7 @@ async def test_embedding_is_dropped_only_after_deregistration(
 async def test_transfer_error_is_raised_with_its_code(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    """Invariant 6, story 3: a failing transfer is an error with the engine's code, not a
+    """Invariant 6, failure 3: a failing transfer is an error with the engine's code, not a
     silent success; the siblings are still served and a retry succeeds."""
     async with lifecycle_rig() as rig:
         encode, _ = rig.encoder("r1", seed=3)
@@ -129,7 +129,7 @@ async def test_transfer_error_is_raised_with_its_code(
 async def test_registration_failure_reaches_every_sibling(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    """Invariant 6, story 4: a failed registration is not swallowed by a wrapper that logs
+    """Invariant 6, failure 4: a failed registration is not swallowed by a wrapper that logs
     it; the sibling that hit it gets the engine's code and later siblings try again."""
     async with lifecycle_rig(register_latency=0.2) as rig:
         encode, _ = rig.encoder("r1", seed=4)
@@ -154,7 +154,7 @@ async def test_registration_failure_reaches_every_sibling(
 async def test_registration_is_released_when_the_transfer_raises(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    """Invariant 2, story 5: the registration made for a transfer that then failed is still
+    """Invariant 2, failure 5: the registration made for a transfer that then failed is still
     deregistered, exactly once, when the scope ends."""
     async with lifecycle_rig(send_timeout=30) as rig:
         encode, _ = rig.encoder("r1", seed=5)
@@ -174,7 +174,7 @@ async def test_registration_is_released_when_the_transfer_raises(
 async def test_scope_waits_for_a_transfer_stuck_in_its_thread(
     autojump_clock: trio.testing.MockClock, ending: str
 ) -> None:
-    """Invariants 2 and 4, story 6: the backstop fires (or the server stops) while a transfer
+    """Invariants 2 and 4, failure 6: the backstop fires (or the server stops) while a transfer
     runs in a worker thread; the memory is deregistered only after that transfer returned,
     and the scope ends no later than that."""
     async with lifecycle_rig(send_timeout=10) as rig:
@@ -223,7 +223,7 @@ async def test_scope_waits_for_a_transfer_stuck_in_its_thread(
 async def test_retry_from_the_same_receiver_is_not_a_new_receiver(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    """Invariant 5, story 7: a rank that retries (after a timeout on its side) must not count
+    """Invariant 5, failure 7: a rank that retries (after a timeout on its side) must not count
     twice, or cleanup would run while the other rank still needs the memory."""
     async with lifecycle_rig(transfer_latency=1.0) as rig:
         encode, _ = rig.encoder("r1", seed=7)
@@ -251,7 +251,7 @@ async def test_retry_from_the_same_receiver_is_not_a_new_receiver(
 async def test_failed_encode_answers_every_waiting_sender(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    """Invariant 4, story 8: a failed encode must not leave sibling sends waiting for the
+    """Invariant 4, failure 8: a failed encode must not leave sibling sends waiting for the
     backstop; they all get the encoder's error at once, and so do later calls."""
     async with lifecycle_rig(send_timeout=180) as rig:
         encode = rig.failing_encoder()
@@ -275,7 +275,7 @@ async def test_failed_encode_answers_every_waiting_sender(
 async def test_cancel_while_waiting_for_the_encoder_leaves_nothing(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    """Invariant 4, story 9: a request whose encode never starts (stuck in the queue) is
+    """Invariant 4, failure 9: a request whose encode never starts (stuck in the queue) is
     cancelled by its backstop; the encoder sees the cancellation and nothing stays behind."""
     async with lifecycle_rig(send_timeout=60) as rig:
         encode, alive = rig.encoder("r1", seed=9)
@@ -299,7 +299,7 @@ async def test_cancel_while_waiting_for_the_encoder_leaves_nothing(
 async def test_two_requests_sharing_memory_register_it_once(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    """Invariant 1, story 10: an embedding-cache hit hands the same tensor to two requests;
+    """Invariant 1, failure 10: an embedding-cache hit hands the same tensor to two requests;
     the second must lease the live registration, not register the same bytes again (-7), and
     the memory stays registered until the last of them is done."""
     async with lifecycle_rig() as rig:
@@ -332,7 +332,7 @@ async def test_two_requests_sharing_memory_register_it_once(
 async def test_views_of_one_batch_output_never_register_the_same_bytes_twice(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    """Invariant 1, story 10: requests get views into one batched output; disjoint views are
+    """Invariant 1, failure 10: requests get views into one batched output; disjoint views are
     registered separately (they do not overlap), a view inside a live registration leases it,
     and a view that straddles one is sent from a private copy."""
     async with lifecycle_rig() as rig:
