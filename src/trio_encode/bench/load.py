@@ -38,6 +38,7 @@ from PIL import Image, ImageDraw, ImageFilter
 from trio_encode.client import EncodeClient, LandingPool, LandingSlot
 from trio_encode.client.http import answer_of
 from trio_encode.engine.mooncake import MooncakeEngine, MooncakeSettings
+from trio_encode.engine.threads import ThreadSettings
 
 _JSON = {"Content-Type": "application/json"}
 IMAGES_PER_CLIENT = 8
@@ -123,7 +124,8 @@ class _Lines:
 
 async def _child(lines: _Lines) -> None:
     raw = json.loads(await lines.read())
-    config = LoadConfig(**{**raw, "engine": MooncakeSettings(**raw["engine"])})
+    engine = {**raw["engine"], "threads": ThreadSettings(**raw["engine"]["threads"])}
+    config = LoadConfig(**{**raw, "engine": MooncakeSettings(**engine)})
     os.nice(config.nice)
     jpegs = natural_jpegs(config.concurrency * IMAGES_PER_CLIENT, config.image_size, config.seed)
     items = [_item_json(jpeg) for jpeg in jpegs]
