@@ -273,6 +273,6 @@ async def test_a_token_guards_encode_and_send_but_not_health_or_metrics(fleet: F
         assert (await http.get("/health")).status_code == 200
         assert (await http.get("/metrics")).status_code == 200
         encoded = await harness.client.encode("authed", [GOOD_ITEM])  # the client has the token
-        assert encoded.receive_count == 1
+        assert encoded.receive_count is None  # no call has named it yet
         await harness.running.service.shutdown()  # ends the open scope: nothing is left
         assert harness.running.service.ledger.live_registrations == 0

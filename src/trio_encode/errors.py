@@ -66,3 +66,9 @@ class Overloaded(RequestError):
     """The encoder queue is full, or the server is not ready (503)."""
 
     status = 503
+
+
+class EncodeNotArrived(RequestError):
+    """A metadata pull waited its whole bound and no ``/encode`` named the ``req_id`` (504)."""
+
+    status = 504

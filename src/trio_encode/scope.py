@@ -8,8 +8,10 @@ service nursery; its transfers are tasks in *its* nursery; handlers only start t
 So the scope's ``finally`` cannot run while a transfer is in flight, and it alone deregisters
 and then drops the embedding.
 
-The scope ends when ``receive_count`` distinct receivers are done, when the encode fails, when
-the server shuts down, or when its backstop deadline (``send_timeout`` after creation) cancels it.
+The scope ends when ``receive_count`` distinct receivers are done (a count that may arrive after
+the scope opened: SGLang's tokenizer opens it without one, its ranks' sends name it), when the
+encode fails, when the server shuts down, or when its backstop deadline (``send_timeout`` after
+creation) cancels it.
 This module knows nothing of HTTP or torch: only the engine, the ledger and the embedding's
 address and size.
 """
@@ -95,6 +97,10 @@ class SendReport:
     receive_count: int
 
 
+DEFAULT_RECEIVE_COUNT = 1
+"""The count a send fixes when none is known yet and it names none itself."""
+
+
 @dataclass(eq=False)
 class _Attempt:
     """One receiver's send in flight; a retry arriving meanwhile joins it."""
@@ -119,7 +125,7 @@ class RequestScope:
         self,
         req_id: str,
         *,
-        receive_count: int,
+        receive_count: int | None,
         deadline: float,
         encode: Encode,
         engine: TransferEngine,
@@ -128,6 +134,7 @@ class RequestScope:
     ) -> None:
         self.req_id = req_id
         self.receive_count = receive_count
+        """How many distinct receivers end the scope; ``None`` until a call names it."""
         self.deadline = deadline
         self.shape: EmbeddingShape | None = None
         self.end_reason: EndReason | None = None
@@ -169,8 +176,17 @@ class RequestScope:
         )
 
     def check_receive_count(self, receive_count: int | None) -> None:
-        """Siblings must agree on how many receivers there are (409 otherwise)."""
-        if receive_count is not None and receive_count != self.receive_count:
+        """Siblings must agree on how many receivers there are (409 otherwise).
+
+        A scope opened without a count takes the first one a call names. No receiver can be
+        done before that: a send fixes the count before its transfer starts.
+        """
+        if receive_count is None:
+            return
+        if self.receive_count is None:
+            self.receive_count = receive_count
+            log.info("receive_count set to %d", receive_count, extra={"req_id": self.req_id})
+        elif receive_count != self.receive_count:
             raise ReceiveCountConflict(
                 f"receive_count {receive_count} conflicts with {self.receive_count} given "
                 "by an earlier call for this req_id",
@@ -200,6 +216,9 @@ class RequestScope:
         if not self.accepting:
             raise self._why_not_served()
         assert self._nursery is not None
+        if self.receive_count is None:
+            # A send that names no count, to a scope that knows none, means one receiver.
+            self.check_receive_count(DEFAULT_RECEIVE_COUNT)
         attempt = self._attempts.get(receiver)
         if attempt is None:
             attempt = _Attempt(receiver)
@@ -218,6 +237,7 @@ class RequestScope:
         if attempt.error is not None:
             raise attempt.error
         assert self.shape is not None
+        assert self.receive_count is not None
         return SendReport(self.shape, attempt.receivers_done, self.receive_count)
 
     async def wait_ended(self) -> None:
@@ -244,7 +264,7 @@ class RequestScope:
                 self.end_reason = "expired"
                 self._observer.backstop_expired(self.req_id)
                 log.warning(
-                    "backstop deadline fired with %d of %d receivers done",
+                    "backstop deadline fired with %d of %s receivers done",
                     len(self._done),
                     self.receive_count,
                     extra={"req_id": self.req_id},
@@ -294,7 +314,7 @@ class RequestScope:
             self._observer.transfer_finished(self.req_id, nbytes, trio.current_time() - started)
             self._done.add(attempt.receiver)
             attempt.receivers_done = len(self._done)
-            if len(self._done) >= self.receive_count:
+            if self.receive_count is not None and len(self._done) >= self.receive_count:
                 self._finish("completed")
         except EngineError as exc:
             if exc.call == "transfer":  # the ledger counts its own register failures
@@ -353,9 +373,10 @@ class RequestScope:
         if reason is None and trio.current_time() >= self.deadline:
             reason = "expired"
         if reason == "expired":
+            expected = "an unknown number of" if self.receive_count is None else self.receive_count
             return ScopeExpired(
                 f"the request's send_timeout expired with {len(self._done)} of "
-                f"{self.receive_count} receivers done",
+                f"{expected} receivers done",
                 req_id=self.req_id,
             )
         if reason == "completed":
@@ -421,7 +442,7 @@ class ScopeRegistry:
             raise ShuttingDown("the server is shutting down", req_id=req_id)
         scope = RequestScope(
             req_id,
-            receive_count=receive_count or 1,
+            receive_count=receive_count,
             deadline=trio.current_time() + self.send_timeout,
             encode=encode,
             engine=self._engine,

@@ -66,7 +66,8 @@ class EncodeResult:
     embedding_dim: int
     embedding_size: int
     dtype: str
-    receive_count: int
+    receive_count: int | None
+    """``None`` while no call for the ``req_id`` has named it (the first ``/send`` will)."""
     body: dict[str, Any]
     """The whole answer (with the echoed fields), to pass along as the contract intends."""
 
