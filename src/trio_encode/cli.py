@@ -63,6 +63,15 @@ server_options = _group(
         "clients do (the backstop): waiting calls get 504, its memory is released.",
     ),
     _option(
+        "--pull-timeout",
+        env="PULL_TIMEOUT",
+        type=click.FloatRange(0, min_open=True),
+        default=180.0,
+        show_default=True,
+        help="Seconds a metadata pull (SGLang's /scheduler_receive_meta_data) waits for an "
+        "/encode to name its req_id before it gets 504.",
+    ),
+    _option(
         "--shutdown-grace",
         env="SHUTDOWN_GRACE",
         type=click.FloatRange(0),
@@ -83,8 +92,8 @@ server_options = _group(
         "--token",
         env="TOKEN",
         default=None,
-        help="Require 'Authorization: Bearer TOKEN' on /encode and /send "
-        "(/health and /metrics stay open).",
+        help="Require 'Authorization: Bearer TOKEN' on /encode, /send and the metadata pull "
+        "(/health and /metrics stay open; SGLang sends no token).",
     ),
     _option(
         "--media-dir",
@@ -354,6 +363,7 @@ def _settings(options: dict[str, Any]) -> ServerSettings:
         host=options["host"],
         port=options["port"],
         send_timeout=options["send_timeout"],
+        pull_timeout=options["pull_timeout"],
         shutdown_grace=options["shutdown_grace"],
         max_body_bytes=options["max_body_bytes"],
         token=options["token"] or None,
