@@ -157,7 +157,8 @@ async def run_request(
                 # Every rank is blocked in its pulls before the tokenizer's /encode arrives.
                 with trio.fail_after(10):
                     while True:
-                        if len(harness.running.service.arrivals) == len(parts):
+                        arrivals = harness.running.service.arrivals
+                        if all(part_req_id(rid, i) in arrivals for i in range(len(parts))):
                             break
                         await trio.sleep(0.01)
                 await tokenizer()

@@ -29,6 +29,10 @@ class Arrivals:
         """Keys someone is waiting for now."""
         return len(self._waiting)
 
+    def __contains__(self, key: object) -> bool:
+        """Whether someone is waiting for ``key`` now."""
+        return key in self._waiting
+
     async def wait(self, key: str) -> None:
         """Return once ``key`` is announced (or :meth:`announce_all` runs)."""
         entry = self._waiting.get(key)
