@@ -4,7 +4,8 @@ A handler parses its body, calls the service, and maps the result; failures are 
 :mod:`trio_encode.server.errors`. Nothing here touches a scope, an engine or a tensor, so a
 handler cancelled by a disconnecting client leaves only what the service decides to keep.
 
-Auth: when a token is set, ``/encode`` and ``/send`` need ``Authorization: Bearer <token>``.
+Auth: when a token is set, ``/encode``, ``/send`` and ``/scheduler_receive_meta_data`` need
+``Authorization: Bearer <token>``.
 ``/health`` and ``/metrics`` stay open, because probes and scrapers rarely carry secrets and
 neither route reveals request data or changes state.
 """
