@@ -240,3 +240,21 @@ async def test_shutdown_wakes_pulls_waiting_for_an_encode(
         assert isinstance(outcome[0], ShuttingDown)
         assert trio.current_time() < 1.0
         await w.assert_nothing_held()
+
+
+async def test_pulls_waiting_for_an_encode_with_bad_input_get_its_error(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The tokenizer's /encode is refused (bad input, no scope): pulls already waiting for it
+    get the same 400 at once instead of waiting for pull_timeout; nothing is left."""
+    async with world(pull_timeout=1000.0) as w:
+        outcomes: list[object] = []
+        async with trio.open_nursery() as nursery:
+            for _ in range(TP):
+                nursery.start_soon(lambda: _append(outcomes, w.service.pull("r1")))
+            await trio.testing.wait_all_tasks_blocked()
+            with pytest.raises(InvalidInput):
+                await w.service.encode("r1", ["not an image"], receive_count=None)
+        assert [type(o) for o in outcomes] == [InvalidInput] * TP
+        assert trio.current_time() < 1.0
+        await w.assert_nothing_held()

@@ -2,8 +2,9 @@
 
 SGLang's prefill ranks pull a part's metadata as soon as they see the request, which may be
 before its tokenizer's ``/encode`` has reached this server. Such a pull cannot join a scope that
-does not exist, so it waits here until the service announces the id (a scope opened for it) or
-gives up. An entry lives only while someone waits on it: a caller that goes away leaves nothing.
+does not exist, so it waits here until the service announces the id (a scope opened for it, or
+the ``/encode`` was refused) or gives up. An entry lives only while someone waits on it: a
+caller that goes away leaves nothing.
 """
 
 from __future__ import annotations
@@ -12,11 +13,14 @@ from dataclasses import dataclass, field
 
 import trio
 
+from trio_encode.errors import RequestError
+
 
 @dataclass(eq=False)
 class _Waiting:
     event: trio.Event = field(default_factory=trio.Event)
     waiters: int = 0
+    error: RequestError | None = None
 
 
 class Arrivals:
@@ -34,7 +38,8 @@ class Arrivals:
         return key in self._waiting
 
     async def wait(self, key: str) -> None:
-        """Return once ``key`` is announced (or :meth:`announce_all` runs)."""
+        """Return once ``key`` is announced (or :meth:`announce_all` runs); raise the error
+        it was announced with, if any."""
         entry = self._waiting.get(key)
         if entry is None:
             entry = self._waiting[key] = _Waiting()
@@ -45,11 +50,15 @@ class Arrivals:
             entry.waiters -= 1
             if entry.waiters == 0 and self._waiting.get(key) is entry:
                 del self._waiting[key]
+        if entry.error is not None:
+            raise entry.error
 
-    def announce(self, key: str) -> None:
-        """Wake everyone waiting for ``key``; a no-op when nobody is."""
+    def announce(self, key: str, *, error: RequestError | None = None) -> None:
+        """Wake everyone waiting for ``key`` (to raise ``error``, when given, as the reason
+        no scope will come); a no-op when nobody is."""
         entry = self._waiting.pop(key, None)
         if entry is not None:
+            entry.error = error
             entry.event.set()
 
     def announce_all(self) -> None:

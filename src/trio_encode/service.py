@@ -146,9 +146,14 @@ class EncodeService:
             if self.registry.closed:
                 raise ShuttingDown("the server is shutting down", req_id=req_id)
             # Check the input before a scope exists: bad input must leave nothing behind.
-            images = await self.encoder.load_items(mm_items)
-            if not images:
-                raise InvalidInput("mm_items must name at least one image", req_id=req_id)
+            try:
+                images = await self.encoder.load_items(mm_items)
+                if not images:
+                    raise InvalidInput("mm_items must name at least one image", req_id=req_id)
+            except InvalidInput as exc:
+                # Pulls already waiting for this id learn why now, not at their timeout.
+                self.arrivals.announce(req_id, error=exc)
+                raise
 
             async def run_encoder() -> EmbeddingMemory:
                 return await self.encoder.encode(images)
