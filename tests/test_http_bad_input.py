@@ -89,7 +89,7 @@ CASES = [
     ),
     Case("receive-count-zero", "/encode", encode(receive_count=0), 400, "receive_count", "r"),
     Case("receive-count-string", "/encode", encode(receive_count="4"), 400, "receive_count", "r"),
-    Case("modality-video", "/encode", encode(modality="VIDEO"), 400, "only IMAGE", "r"),
+    Case("modality-video", "/encode", encode(modality="VIDEO"), 400, "(IMAGE, MULTI_IMAGES)", "r"),
     Case(
         "body-too-large",
         "/encode",

@@ -191,16 +191,24 @@ class ImageEncoder:
                     loaded[index] = await self._fetcher.fetch(item)
                 except InvalidInput as exc:
                     raise InvalidInput(f"mm_items[{index}]: {exc.message}") from None
-        local = [(index, item) for index, item in enumerate(items) if index not in loaded]
-        loaded |= await self._run_decode(partial(self._load_items, local))
+        local = [index for index in range(len(items)) if index not in loaded]
+        read = await self._run_decode(
+            partial(self._load_items, [items[index] for index in local], local)
+        )
+        loaded |= dict(zip(local, read, strict=True))
         return [loaded[index] for index in range(len(items))]
 
-    def _load_items(self, items: list[tuple[int, str]]) -> dict[int, bytes]:
-        loaded = {}
-        for index, item in items:
+    def _load_items(self, items: list[str], indices: list[int] | None = None) -> list[bytes]:
+        """Load local items; ``indices`` are their places in ``mm_items``, for messages."""
+        loaded = []
+        for index, item in zip(indices or range(len(items)), items, strict=True):
             try:
-                loaded[index] = load_item(
-                    item, max_bytes=self.settings.max_image_bytes, media_dir=self.settings.media_dir
+                loaded.append(
+                    load_item(
+                        item,
+                        max_bytes=self.settings.max_image_bytes,
+                        media_dir=self.settings.media_dir,
+                    )
                 )
             except InvalidInput as exc:
                 raise InvalidInput(f"mm_items[{index}]: {exc.message}") from None
