@@ -52,6 +52,12 @@ SETTINGS = {
     "--max-image-bytes": "TRIO_ENCODE_MAX_IMAGE_BYTES",
     "--max-image-pixels": "TRIO_ENCODE_MAX_IMAGE_PIXELS",
     "--torch-threads": "TRIO_ENCODE_TORCH_THREADS",
+    "--pull-timeout": "TRIO_ENCODE_PULL_TIMEOUT",
+    "--remote-fetch": "TRIO_ENCODE_REMOTE_FETCH",
+    "--remote-host": "TRIO_ENCODE_REMOTE_HOSTS",
+    "--remote-private-network": "TRIO_ENCODE_REMOTE_PRIVATE_NETWORKS",
+    "--remote-timeout": "TRIO_ENCODE_REMOTE_TIMEOUT",
+    "--remote-max-redirects": "TRIO_ENCODE_REMOTE_MAX_REDIRECTS",
 }
 
 
@@ -118,6 +124,30 @@ def test_encoder_flags_beat_variables_which_beat_the_defaults(
     assert encoder.image_size == EncoderSettings().image_size  # default
     assert encoder.queue_size == EncoderSettings().queue_size
     assert encoder.hf_model_dir is None
+
+
+def test_sglang_settings_from_flags_and_variables(captured: list[ServerSettings]) -> None:
+    """Remote fetching is off unless asked for; its lists come from repeated flags or a
+    space-separated variable."""
+    result = CliRunner().invoke(cli, ["serve"])
+    assert result.exit_code == 0, result.output
+    assert captured[-1].encoder.remote_fetch is False
+    assert captured[-1].pull_timeout == 180.0
+    env = {"TRIO_ENCODE_REMOTE_PRIVATE_NETWORKS": "10.0.0.0/8 fd00::/8"}
+    args = ["serve", "--remote-fetch", "--remote-host", "a.example", "--remote-host", "b.example"]
+    args += ["--pull-timeout", "30", "--remote-timeout", "2", "--remote-max-redirects", "0"]
+    result = CliRunner().invoke(cli, args, env=env)
+    assert result.exit_code == 0, result.output
+    settings = captured[-1]
+    assert settings.pull_timeout == 30.0
+    encoder = settings.encoder
+    assert encoder.remote_fetch is True
+    assert encoder.remote_hosts == ("a.example", "b.example")
+    assert encoder.remote_private_networks == ("10.0.0.0/8", "fd00::/8")
+    assert (encoder.remote_timeout, encoder.remote_max_redirects) == (2.0, 0)
+    result = CliRunner().invoke(cli, ["serve", "--remote-private-network", "nonsense"])
+    assert result.exit_code == 2
+    assert "not a CIDR network" in result.output
 
 
 def test_encoder_settings_that_do_not_fit_together_are_a_usage_error(

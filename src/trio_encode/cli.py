@@ -63,6 +63,15 @@ server_options = _group(
         "clients do (the backstop): waiting calls get 504, its memory is released.",
     ),
     _option(
+        "--pull-timeout",
+        env="PULL_TIMEOUT",
+        type=click.FloatRange(0, min_open=True),
+        default=180.0,
+        show_default=True,
+        help="Seconds a metadata pull (SGLang's /scheduler_receive_meta_data) waits for an "
+        "/encode to name its req_id before it gets 504.",
+    ),
+    _option(
         "--shutdown-grace",
         env="SHUTDOWN_GRACE",
         type=click.FloatRange(0),
@@ -83,8 +92,8 @@ server_options = _group(
         "--token",
         env="TOKEN",
         default=None,
-        help="Require 'Authorization: Bearer TOKEN' on /encode and /send "
-        "(/health and /metrics stay open).",
+        help="Require 'Authorization: Bearer TOKEN' on /encode, /send and the metadata pull "
+        "(/health and /metrics stay open; SGLang sends no token).",
     ),
     _option(
         "--media-dir",
@@ -281,6 +290,46 @@ encoder_options = _group(
         "larger ones get 400.",
     ),
     _option(
+        "--remote-fetch/--no-remote-fetch",
+        env="REMOTE_FETCH",
+        default=_ENCODER.remote_fetch,
+        show_default=True,
+        help="Fetch http(s):// mm_items (SGLang passes image URLs through). Off by default: "
+        "a client could otherwise make the server connect anywhere.",
+    ),
+    _option(
+        "--remote-host",
+        "remote_hosts",
+        env="REMOTE_HOSTS",
+        multiple=True,
+        help="With --remote-fetch: a host name that may be fetched (repeat for several; the "
+        "variable takes them space-separated). None given: any host with public addresses.",
+    ),
+    _option(
+        "--remote-private-network",
+        "remote_private_networks",
+        env="REMOTE_PRIVATE_NETWORKS",
+        multiple=True,
+        help="With --remote-fetch: a CIDR network outside the public internet (private, "
+        "loopback, link-local) that fetches may still reach; all others are refused.",
+    ),
+    _option(
+        "--remote-timeout",
+        env="REMOTE_TIMEOUT",
+        type=click.FloatRange(0, min_open=True),
+        default=_ENCODER.remote_timeout,
+        show_default=True,
+        help="Seconds one item's fetch may take, redirects included; slower ones get 400.",
+    ),
+    _option(
+        "--remote-max-redirects",
+        env="REMOTE_MAX_REDIRECTS",
+        type=click.IntRange(0),
+        default=_ENCODER.remote_max_redirects,
+        show_default=True,
+        help="Redirects one fetch may follow; each hop is checked like the first URL.",
+    ),
+    _option(
         "--torch-threads",
         env="TORCH_THREADS",
         type=click.IntRange(1),
@@ -334,6 +383,11 @@ def _encoder_settings(options: dict[str, Any]) -> EncoderSettings:
             max_image_bytes=options["max_image_bytes"],
             max_image_pixels=options["max_image_pixels"],
             torch_threads=options["torch_threads"],
+            remote_fetch=options["remote_fetch"],
+            remote_hosts=tuple(options["remote_hosts"]),
+            remote_private_networks=tuple(options["remote_private_networks"]),
+            remote_timeout=options["remote_timeout"],
+            remote_max_redirects=options["remote_max_redirects"],
         )
     except ValueError as exc:
         raise click.UsageError(f"encoder settings: {exc}") from exc
@@ -354,6 +408,7 @@ def _settings(options: dict[str, Any]) -> ServerSettings:
         host=options["host"],
         port=options["port"],
         send_timeout=options["send_timeout"],
+        pull_timeout=options["pull_timeout"],
         shutdown_grace=options["shutdown_grace"],
         max_body_bytes=options["max_body_bytes"],
         token=options["token"] or None,

@@ -72,3 +72,9 @@ class InternalError(RequestError):
     """A bug inside the server ended this request (and only it); the traceback is logged (500)."""
 
     status = 500
+
+
+class EncodeNotArrived(RequestError):
+    """A metadata pull waited its whole bound and no ``/encode`` named the ``req_id`` (504)."""
+
+    status = 504

@@ -35,7 +35,7 @@ class _Tombstone:
     shape: EmbeddingShape | None
     done: frozenset[Receiver]
     """Receivers whose bytes landed (at most ``receive_count`` of them)."""
-    receive_count: int
+    receive_count: int | None
 
 
 class ScopeRegistry:
@@ -85,7 +85,7 @@ class ScopeRegistry:
             raise ShuttingDown("the server is shutting down", req_id=req_id)
         scope = RequestScope(
             req_id,
-            receive_count=receive_count or 1,
+            receive_count=receive_count,
             deadline=trio.current_time() + self.send_timeout,
             encode=encode,
             engine=self._engine,
@@ -122,6 +122,7 @@ class ScopeRegistry:
         tomb = self._live_tombstone(req_id)
         if tomb is None or tomb.shape is None or receiver not in tomb.done:
             return None
+        assert tomb.receive_count is not None  # fixed before the first transfer
         return SendReport(tomb.shape, len(tomb.done), tomb.receive_count, repeat=True)
 
     async def _run_scope(

@@ -8,11 +8,12 @@ service nursery; its transfers are tasks in *its* nursery; handlers only start t
 So the scope's ``finally`` cannot run while a transfer is in flight, and it alone deregisters
 and then drops the embedding.
 
-The scope ends when ``receive_count`` distinct receivers are done, when the encode fails, when
-an unexpected error hits it, when the server shuts down, or when its backstop deadline
-(``send_timeout`` after creation) cancels it. Whatever ends it ends only it: no error leaves
-the scope's task. This module knows nothing of HTTP or torch: only the engine, the ledger and
-the embedding's address and size.
+The scope ends when ``receive_count`` distinct receivers are done (a count that may arrive after
+the scope opened: SGLang's tokenizer opens it without one, its ranks' sends name it), when the
+encode fails, when an unexpected error hits it, when the server shuts down, or when its
+backstop deadline (``send_timeout`` after creation) cancels it. Whatever ends it ends only
+it: no error leaves the scope's task. This module knows nothing of HTTP or torch: only the
+engine, the ledger and the embedding's address and size.
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ from trio_encode.request_types import (
 )
 
 log = logging.getLogger(__name__)
+
+DEFAULT_RECEIVE_COUNT = 1
+"""The count a send fixes when none is known yet and it names none itself."""
 
 
 @dataclass(frozen=True)
@@ -90,7 +94,7 @@ class RequestScope:
         self,
         req_id: str,
         *,
-        receive_count: int,
+        receive_count: int | None,
         deadline: float,
         encode: Encode,
         engine: TransferEngine,
@@ -99,6 +103,7 @@ class RequestScope:
     ) -> None:
         self.req_id = req_id
         self.receive_count = receive_count
+        """How many distinct receivers end the scope; ``None`` until a call names it."""
         self.deadline = deadline
         self.shape: EmbeddingShape | None = None
         self.end_reason: EndReason | None = None
@@ -145,8 +150,17 @@ class RequestScope:
         )
 
     def check_receive_count(self, receive_count: int | None) -> None:
-        """Siblings must agree on how many receivers there are (409 otherwise)."""
-        if receive_count is not None and receive_count != self.receive_count:
+        """Siblings must agree on how many receivers there are (409 otherwise).
+
+        A scope opened without a count takes the first one a call names. No receiver can be
+        done before that: a send fixes the count before its transfer starts.
+        """
+        if receive_count is None:
+            return
+        if self.receive_count is None:
+            self.receive_count = receive_count
+            log.info("receive_count set to %d", receive_count, extra={"req_id": self.req_id})
+        elif receive_count != self.receive_count:
             raise ReceiveCountConflict(
                 f"receive_count {receive_count} conflicts with {self.receive_count} given "
                 "by an earlier call for this req_id",
@@ -175,10 +189,14 @@ class RequestScope:
         """
         await self._started.wait()
         if receiver in self._done and self.shape is not None:
+            assert self.receive_count is not None  # fixed before the first transfer
             return SendReport(self.shape, len(self._done), self.receive_count, repeat=True)
         if not self.accepting:
             raise self._why_not_served()
         assert self._nursery is not None
+        if self.receive_count is None:
+            # A send that names no count, to a scope that knows none, means one receiver.
+            self.check_receive_count(DEFAULT_RECEIVE_COUNT)
         attempt = self._attempts.get(receiver)
         if attempt is None:
             attempt = _Attempt(receiver)
@@ -197,6 +215,7 @@ class RequestScope:
         if attempt.error is not None:
             raise attempt.error
         assert self.shape is not None
+        assert self.receive_count is not None
         return SendReport(self.shape, attempt.receivers_done, self.receive_count)
 
     async def wait_ended(self) -> None:
@@ -227,7 +246,7 @@ class RequestScope:
                 self.end_reason = "expired"
                 self._observer.backstop_expired(self.req_id)
                 log.warning(
-                    "backstop deadline fired with %d of %d receivers done",
+                    "backstop deadline fired with %d of %s receivers done",
                     len(self._done),
                     self.receive_count,
                     extra={"req_id": self.req_id},
@@ -285,7 +304,7 @@ class RequestScope:
             self._observer.transfer_finished(self.req_id, nbytes, trio.current_time() - started)
             self._done.add(attempt.receiver)
             attempt.receivers_done = len(self._done)
-            if len(self._done) >= self.receive_count:
+            if self.receive_count is not None and len(self._done) >= self.receive_count:
                 self._finish("completed")
         except EngineError as exc:
             if exc.call == "transfer":  # the ledger counts its own register failures
@@ -362,9 +381,10 @@ class RequestScope:
         if reason is None and trio.current_time() >= self.deadline:
             reason = "expired"
         if reason == "expired":
+            expected = "an unknown number of" if self.receive_count is None else self.receive_count
             return ScopeExpired(
                 f"the request's send_timeout expired with {len(self._done)} of "
-                f"{self.receive_count} receivers done",
+                f"{expected} receivers done",
                 req_id=self.req_id,
             )
         if reason == "completed":

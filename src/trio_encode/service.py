@@ -1,6 +1,7 @@
 """The encode service: owns the service nursery, the scope registry, the encoder and the engine.
 
-The HTTP layer calls :meth:`EncodeService.encode` and :meth:`EncodeService.send` and maps what
+The HTTP layer calls :meth:`EncodeService.encode`, :meth:`EncodeService.pull` and
+:meth:`EncodeService.send` and maps what
 they return or raise; it never touches a scope's internals or a transfer. The service nursery is
 opened by :func:`EncodeService.running` around the whole server's life, so request scopes
 outlive the handlers that create them and end only by their own rules, or at shutdown.
@@ -17,8 +18,9 @@ from typing import Protocol
 
 import trio
 
+from trio_encode.arrivals import Arrivals
 from trio_encode.engine import TransferEngine
-from trio_encode.errors import InvalidInput, ShuttingDown
+from trio_encode.errors import EncodeNotArrived, InvalidInput, ShuttingDown
 from trio_encode.observer import LifecycleObserver, NullObserver
 from trio_encode.registrations import RegistrationLedger
 from trio_encode.registry import ScopeRegistry
@@ -56,12 +58,15 @@ class ServiceSettings:
     remember_released: int = 100_000
     """How many ended req_ids are remembered (so late calls get 410, not a new scope)."""
     remember_seconds: float = 3600.0
+    pull_timeout: float = 180.0
+    """How long a metadata pull waits for an ``/encode`` to name its ``req_id``."""
 
 
 @dataclass(frozen=True)
 class EncodeReport:
     shape: EmbeddingShape
-    receive_count: int
+    receive_count: int | None
+    """``None`` while no call has named the count yet."""
 
 
 @dataclass(frozen=True)
@@ -100,6 +105,7 @@ class EncodeService:
         self.shutdown_report: ShutdownReport | None = None
         self._grace = trio.CancelScope(deadline=math.inf)
         self._shutdown_done = trio.Event()
+        self.arrivals = Arrivals()
 
     @classmethod
     @asynccontextmanager
@@ -142,9 +148,14 @@ class EncodeService:
             if self.registry.closed:
                 raise ShuttingDown("the server is shutting down", req_id=req_id)
             # Check the input before a scope exists: bad input must leave nothing behind.
-            images = await self.encoder.load_items(mm_items)
-            if not images:
-                raise InvalidInput("mm_items must name at least one image", req_id=req_id)
+            try:
+                images = await self.encoder.load_items(mm_items)
+                if not images:
+                    raise InvalidInput("mm_items must name at least one image", req_id=req_id)
+            except InvalidInput as exc:
+                # Pulls already waiting for this id learn why now, not at their timeout.
+                self.arrivals.announce(req_id, error=exc)
+                raise
 
             async def run_encoder() -> EmbeddingMemory:
                 return await self.encoder.encode(images)
@@ -152,8 +163,34 @@ class EncodeService:
             scope = await self.registry.open(
                 req_id, receive_count=receive_count, encode=run_encoder
             )
+            self.arrivals.announce(req_id)
         else:
             scope.check_receive_count(receive_count)
+        shape = await scope.wait_encoded()
+        return EncodeReport(shape, scope.receive_count)
+
+    async def pull(self, req_id: str, *, receive_count: int | None = None) -> EncodeReport:
+        """Wait for ``req_id``'s encode to publish its shape, without starting one.
+
+        A pull may come before any ``/encode`` names the id: it then waits for one up to
+        ``pull_timeout``. Once the scope exists, the scope's own deadline bounds the wait.
+        """
+        scope = self.registry.find_live(req_id)
+        if scope is None:
+            if self.registry.closed:
+                raise ShuttingDown("the server is shutting down", req_id=req_id)
+            with trio.move_on_after(self.settings.pull_timeout) as waited:
+                await self.arrivals.wait(req_id)
+            if waited.cancelled_caught:
+                raise EncodeNotArrived(
+                    f"no /encode named this req_id within {self.settings.pull_timeout:g} s",
+                    req_id=req_id,
+                )
+            scope = self.registry.find_live(req_id)
+            if scope is None and self.registry.closed:  # woken by shutdown, not by an /encode
+                raise ShuttingDown("the server is shutting down", req_id=req_id)
+            scope = scope or self.registry.require_live(req_id)
+        scope.check_receive_count(receive_count)
         shape = await scope.wait_encoded()
         return EncodeReport(shape, scope.receive_count)
 
@@ -194,6 +231,7 @@ class EncodeService:
             assert self.shutdown_report is not None
             return self.shutdown_report
         self.registry.closed = True
+        self.arrivals.announce_all()
         live = self.registry.scopes()
         try:
             self._grace.deadline = trio.current_time() + self.settings.shutdown_grace

@@ -28,6 +28,10 @@ class ServerSettings:
     """0 picks a free port; the bound address is logged and reported to in-process callers."""
     send_timeout: float = 180.0
     """Backstop deadline of a request scope, in seconds from its creation."""
+    pull_timeout: float = 180.0
+    """How long a metadata pull (``/scheduler_receive_meta_data``) for a ``req_id`` that no
+    ``/encode`` has named yet waits for one, in seconds (then 504). Once named, the request's
+    own deadline bounds the wait."""
     shutdown_grace: float = 30.0
     """On shutdown, how long live scopes may keep serving their siblings' sends."""
     max_body_bytes: int = 64 * MiB
@@ -46,6 +50,8 @@ class ServerSettings:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if not self.send_timeout > 0:
             raise ValueError(f"send_timeout must be positive, got {self.send_timeout}")
+        if not self.pull_timeout > 0:
+            raise ValueError(f"pull_timeout must be positive, got {self.pull_timeout}")
         if self.shutdown_grace < 0:
             raise ValueError(f"shutdown_grace must be >= 0, got {self.shutdown_grace}")
         if self.max_body_bytes <= 0:
@@ -61,4 +67,8 @@ class ServerSettings:
 
     def service_settings(self) -> ServiceSettings:
         """The part of these settings that the request scopes obey."""
-        return ServiceSettings(send_timeout=self.send_timeout, shutdown_grace=self.shutdown_grace)
+        return ServiceSettings(
+            send_timeout=self.send_timeout,
+            shutdown_grace=self.shutdown_grace,
+            pull_timeout=self.pull_timeout,
+        )

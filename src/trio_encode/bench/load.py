@@ -124,8 +124,10 @@ class _Lines:
 
 async def _child(lines: _Lines) -> None:
     raw = json.loads(await lines.read())
-    engine = {**raw["engine"], "threads": ThreadSettings(**raw["engine"]["threads"])}
-    config = LoadConfig(**{**raw, "engine": MooncakeSettings(**engine)})
+    threads = ThreadSettings(**raw["engine"]["threads"])
+    config = LoadConfig(
+        **{**raw, "engine": MooncakeSettings(**{**raw["engine"], "threads": threads})}
+    )
     os.nice(config.nice)
     jpegs = natural_jpegs(config.concurrency * IMAGES_PER_CLIENT, config.image_size, config.seed)
     items = [_item_json(jpeg) for jpeg in jpegs]

@@ -66,7 +66,8 @@ class EncodeResult:
     embedding_dim: int
     embedding_size: int
     dtype: str
-    receive_count: int
+    receive_count: int | None
+    """``None`` while no call for the ``req_id`` has named it (the first ``/send`` will)."""
     checksum: str
     """``algorithm:hex`` of the embedding's bytes (:meth:`LandingSlot.verify` checks it)."""
     body: dict[str, Any]

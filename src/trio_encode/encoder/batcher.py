@@ -28,6 +28,7 @@ import trio
 from trio_encode.embedding import Embedding
 from trio_encode.encoder.backend import VisionBackend, load_backend
 from trio_encode.encoder.cache import CacheKey, EmbeddingCache, content_key
+from trio_encode.encoder.fetch import FetchPolicy, RemoteFetcher, is_remote
 from trio_encode.encoder.images import decode_image, load_item
 from trio_encode.encoder.observer import EncoderObserver, NullEncoderObserver
 from trio_encode.encoder.settings import EncoderSettings
@@ -129,6 +130,16 @@ class ImageEncoder:
         self._decode_limiter = trio.CapacityLimiter(2)
         # The forward has threads of its own: it must never wait behind transfers or decodes.
         self._forward_limiter = trio.CapacityLimiter(1)
+        self._fetcher = RemoteFetcher(
+            FetchPolicy.build(
+                enabled=self.settings.remote_fetch,
+                hosts=self.settings.remote_hosts,
+                private_networks=self.settings.remote_private_networks,
+                max_bytes=self.settings.max_image_bytes,
+                timeout=self.settings.remote_timeout,
+                max_redirects=self.settings.remote_max_redirects,
+            )
+        )
         self._run_decode: ThreadRunner = run_decode or self._decode_in_thread
         self._run_forward: ThreadRunner = run_forward or self._forward_in_thread
         self._queue: deque[_Job] = deque()
@@ -172,13 +183,27 @@ class ImageEncoder:
     # -- per request -------------------------------------------------------------------------
 
     async def load_items(self, items: Sequence[str]) -> list[bytes]:
-        """The encoded bytes of each ``mm_items`` entry, without decoding pixels. Runs off the
-        event loop (base64 of MBs, file reads). Raises :class:`InvalidInput` naming the entry."""
-        return await self._run_decode(partial(self._load_items, list(items)))
-
-    def _load_items(self, items: list[str]) -> list[bytes]:
-        loaded = []
+        """The encoded bytes of each ``mm_items`` entry, without decoding pixels. ``http(s)``
+        items are fetched (under the fetch rules), the rest loaded off the event loop (base64
+        of MBs, file reads). Raises :class:`InvalidInput` naming the entry."""
+        loaded: dict[int, bytes] = {}
         for index, item in enumerate(items):
+            if is_remote(item):
+                try:
+                    loaded[index] = await self._fetcher.fetch(item)
+                except InvalidInput as exc:
+                    raise InvalidInput(f"mm_items[{index}]: {exc.message}") from None
+        local = [index for index in range(len(items)) if index not in loaded]
+        read = await self._run_decode(
+            partial(self._load_items, [items[index] for index in local], local)
+        )
+        loaded |= dict(zip(local, read, strict=True))
+        return [loaded[index] for index in range(len(items))]
+
+    def _load_items(self, items: list[str], indices: list[int] | None = None) -> list[bytes]:
+        """Load local items; ``indices`` are their places in ``mm_items``, for messages."""
+        loaded = []
+        for index, item in zip(indices or range(len(items)), items, strict=True):
             try:
                 loaded.append(
                     load_item(

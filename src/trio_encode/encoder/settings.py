@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -64,6 +65,20 @@ class EncoderSettings:
     media_dir: Path | None = None
     """When set, ``mm_items`` may also name files inside this directory (and nowhere else)."""
 
+    # Remote images (``http(s)://`` items), fetched under these rules; see encoder/fetch.py.
+    remote_fetch: bool = False
+    """Fetch ``http(s)://`` items; off by default, so clients cannot make the server connect
+    anywhere."""
+    remote_hosts: tuple[str, ...] = ()
+    """When non-empty, the only host names that may be fetched."""
+    remote_private_networks: tuple[str, ...] = ()
+    """CIDR networks outside the public internet (private, loopback, link-local) that fetches
+    may still reach; every other non-public address is refused."""
+    remote_timeout: float = 10.0
+    """Seconds one item's fetch may take, redirects included."""
+    remote_max_redirects: int = 3
+    """Redirects one fetch may follow (each hop is checked like the first URL)."""
+
     def __post_init__(self) -> None:
         positive = {
             "image_size": self.image_size,
@@ -94,5 +109,16 @@ class EncoderSettings:
             raise ValueError(f"max_batch_wait must be >= 0, got {self.max_batch_wait}")
         if self.cache_bytes < 0:
             raise ValueError(f"cache_bytes must be >= 0, got {self.cache_bytes}")
+        if not self.remote_timeout > 0:
+            raise ValueError(f"remote_timeout must be positive, got {self.remote_timeout}")
+        if self.remote_max_redirects < 0:
+            raise ValueError(f"remote_max_redirects must be >= 0, got {self.remote_max_redirects}")
+        for network in self.remote_private_networks:
+            try:
+                ipaddress.ip_network(network, strict=False)
+            except ValueError:
+                raise ValueError(
+                    f"remote_private_networks: {network!r} is not a CIDR network"
+                ) from None
         if self.torch_threads is not None and self.torch_threads <= 0:
             raise ValueError(f"torch_threads must be positive, got {self.torch_threads}")

@@ -1,10 +1,11 @@
-"""The quart-trio app: four routes of the HTTP contract, each a few lines.
+"""The quart-trio app: the routes of the HTTP contract, each a few lines.
 
 A handler parses its body, calls the service, and maps the result; failures are mapped in
 :mod:`trio_encode.server.errors`. Nothing here touches a scope, an engine or a tensor, so a
 handler cancelled by a disconnecting client leaves only what the service decides to keep.
 
-Auth: when a token is set, ``/encode`` and ``/send`` need ``Authorization: Bearer <token>``.
+Auth: when a token is set, ``/encode``, ``/send`` and ``/scheduler_receive_meta_data`` need
+``Authorization: Bearer <token>``.
 ``/health`` and ``/metrics`` stay open, because probes and scrapers rarely carry secrets and
 neither route reveals request data or changes state.
 """
@@ -23,15 +24,17 @@ from trio_encode.server.errors import error_response, install_error_handlers
 from trio_encode.server.metrics import Metrics
 from trio_encode.server.schemas import (
     EncodeRequest,
+    PullRequest,
     SendRequest,
     encode_answer,
     parse_body,
+    pull_answer,
     send_answer,
 )
 from trio_encode.service import EncodeService
 from trio_encode.settings import ServerSettings
 
-_PROTECTED = frozenset({"/encode", "/send"})
+_PROTECTED = frozenset({"/encode", "/send", "/scheduler_receive_meta_data"})
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +68,17 @@ def create_app(service: EncodeService, metrics: Metrics, settings: ServerSetting
             EncodeRequest, await request.get_data(cache=False, as_text=False, parse_form_data=False)
         )
         g.req_id = body.req_id
-        report = await service.encode(body.req_id, body.mm_items, receive_count=body.receive_count)
+        report = await service.encode(body.req_id, body.urls, receive_count=body.receive_count)
         return jsonify(encode_answer(body, report))
+
+    @app.post("/scheduler_receive_meta_data")
+    async def pull() -> Response:
+        body = parse_body(
+            PullRequest, await request.get_data(cache=False, as_text=False, parse_form_data=False)
+        )
+        g.req_id = body.req_id
+        report = await service.pull(body.req_id, receive_count=body.receive_count)
+        return jsonify(pull_answer(body, report))
 
     @app.post("/send")
     async def send() -> Response:

@@ -1,9 +1,11 @@
 """The request bodies of the HTTP contract, checked by pydantic, and the answers built from
 service results.
 
-Unknown fields are ignored (prefill ranks echo a whole ``/encode`` answer back into ``/send``).
-Integers are strict: ``"5"`` or ``true`` where a count or an address belongs is a client bug
-worth a 400, not something to guess at.
+Two dialects share these models: ours, and SGLang's EPD Mooncake path (0.5.23), whose tokenizer
+sends items as URL strings or ``{"url": ...}`` objects with per-item options, ``num_parts`` and
+``part_idx``, and no ``receive_count``. Unknown fields are ignored (prefill ranks echo a whole
+``/encode`` or pull answer back into ``/send``). Integers are strict: ``"5"`` or ``true`` where a
+count or an address belongs is a client bug worth a 400, not something to guess at.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pydantic import (
     StrictStr,
     ValidationError,
     field_validator,
+    model_validator,
 )
 
 from trio_encode.errors import InvalidInput
@@ -36,22 +39,64 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
 
+IMAGE_MODALITIES = ("IMAGE", "MULTI_IMAGES")
+"""SGLang's modality names for images (matched case-insensitively); the only ones served."""
+
+
+class MediaItem(_Body):
+    """An item as an object: its ``url`` and per-item options. The options (``detail``,
+    ``content_hash``, processor sizes) are ignored: this server's model fixes preprocessing."""
+
+    url: StrictStr
+
+
 class EncodeRequest(_Body):
     req_id: ReqId
-    mm_items: Annotated[list[StrictStr], Field(min_length=1)]
+    mm_items: Annotated[list[StrictStr | MediaItem], Field(min_length=1)]
     modality: StrictStr = "IMAGE"
     receive_count: Count | None = None
-    num_parts: StrictInt | None = None
-    part_idx: StrictInt | None = None
+    num_parts: Annotated[StrictInt, Field(gt=0)] | None = None
+    part_idx: Annotated[StrictInt, Field(ge=0)] | None = None
     prefill_host: StrictStr | None = None
-    embedding_port: StrictInt | None = None
+    embedding_port: StrictInt | list[StrictInt] | None = None
+    hashes: list[Any] | StrictStr | StrictInt | None = None
+    """Accepted and ignored: the cache keys by the bytes actually received, never by a hash
+    a client could get wrong (a wrong one would hand one request another's embedding)."""
+    time_stats_json: Any = None
+    """Accepted and ignored (SGLang's tracing)."""
 
     @field_validator("modality")
     @classmethod
     def _only_images(cls, value: str) -> str:
-        if value.upper() != "IMAGE":
-            raise ValueError(f"modality {value!r} is not supported: only IMAGE is")
-        return "IMAGE"
+        if value.upper() not in IMAGE_MODALITIES:
+            supported = ", ".join(IMAGE_MODALITIES)
+            raise ValueError(
+                f"modality {value!r} is not supported: this server encodes images ({supported})"
+            )
+        return value.upper()
+
+    @model_validator(mode="after")
+    def _part_in_range(self) -> EncodeRequest:
+        parts, index = self.num_parts, self.part_idx
+        if parts is not None and index is not None and index >= parts:
+            raise ValueError(
+                f"part_idx {index} is out of range for num_parts {parts} "
+                "(0 <= part_idx < num_parts)"
+            )
+        return self
+
+    @property
+    def urls(self) -> list[str]:
+        """The items as the strings the encoder loads."""
+        return [item if isinstance(item, str) else item.url for item in self.mm_items]
+
+
+class PullRequest(_Body):
+    """SGLang's ``/scheduler_receive_meta_data``: wait for a part's sizes."""
+
+    req_id: ReqId
+    part_idx: Annotated[StrictInt, Field(ge=0)] | None = None
+    receive_count: Count | None = None
 
 
 class SendRequest(_Body):
@@ -110,12 +155,18 @@ def _shape_fields(shape: EmbeddingShape) -> dict[str, Any]:
 
 
 def encode_answer(body: EncodeRequest, report: EncodeReport) -> dict[str, Any]:
-    """The request's fields except ``mm_items`` (the optional ones only when given), the
-    scope's ``receive_count``, and the embedding's shape."""
-    echoed = body.model_dump(exclude={"mm_items"}, exclude_unset=True)
+    """The request's fields except ``mm_items`` and the ignored ones (the optional ones only
+    when given), the scope's ``receive_count`` (``null`` until named), and the shape."""
+    echoed = body.model_dump(exclude={"mm_items", "hashes", "time_stats_json"}, exclude_unset=True)
     echoed["modality"] = body.modality
     echoed["receive_count"] = report.receive_count
     return echoed | _shape_fields(report.shape)
+
+
+def pull_answer(body: PullRequest, report: EncodeReport) -> dict[str, Any]:
+    """SGLang's fields (``req_id``, ``part_idx``, ``embedding_size``, ``embedding_len``,
+    ``embedding_dim``) and the dtype; a rank adds its buffer to this and sends it back."""
+    return {"req_id": body.req_id, "part_idx": body.part_idx} | _shape_fields(report.shape)
 
 
 def send_answer(req_id: str, report: SendReport) -> dict[str, Any]:

@@ -1,0 +1,68 @@
+"""Callers waiting for a ``req_id`` that no ``/encode`` has named yet.
+
+SGLang's prefill ranks pull a part's metadata as soon as they see the request, which may be
+before its tokenizer's ``/encode`` has reached this server. Such a pull cannot join a scope that
+does not exist, so it waits here until the service announces the id (a scope opened for it, or
+the ``/encode`` was refused) or gives up. An entry lives only while someone waits on it: a
+caller that goes away leaves nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import trio
+
+from trio_encode.errors import RequestError
+
+
+@dataclass(eq=False)
+class _Waiting:
+    event: trio.Event = field(default_factory=trio.Event)
+    waiters: int = 0
+    error: RequestError | None = None
+
+
+class Arrivals:
+    """Keyed wake-ups: :meth:`wait` for a key until :meth:`announce` names it."""
+
+    def __init__(self) -> None:
+        self._waiting: dict[str, _Waiting] = {}
+
+    def __len__(self) -> int:
+        """Keys someone is waiting for now."""
+        return len(self._waiting)
+
+    def __contains__(self, key: object) -> bool:
+        """Whether someone is waiting for ``key`` now."""
+        return key in self._waiting
+
+    async def wait(self, key: str) -> None:
+        """Return once ``key`` is announced (or :meth:`announce_all` runs); raise the error
+        it was announced with, if any."""
+        entry = self._waiting.get(key)
+        if entry is None:
+            entry = self._waiting[key] = _Waiting()
+        entry.waiters += 1
+        try:
+            await entry.event.wait()
+        finally:
+            entry.waiters -= 1
+            if entry.waiters == 0 and self._waiting.get(key) is entry:
+                del self._waiting[key]
+        if entry.error is not None:
+            raise entry.error
+
+    def announce(self, key: str, *, error: RequestError | None = None) -> None:
+        """Wake everyone waiting for ``key`` (to raise ``error``, when given, as the reason
+        no scope will come); a no-op when nobody is."""
+        entry = self._waiting.pop(key, None)
+        if entry is not None:
+            entry.error = error
+            entry.event.set()
+
+    def announce_all(self) -> None:
+        """Wake every waiter (shutdown: they re-check and learn why)."""
+        waiting, self._waiting = self._waiting, {}
+        for entry in waiting.values():
+            entry.event.set()

@@ -1,0 +1,226 @@
+"""Fetching ``http(s)://`` items: off by default, no private addresses, bounded in bytes, time
+and redirects; against a real HTTP server on loopback (listed as an allowed network only where
+a test says so)."""
+
+from __future__ import annotations
+
+import io
+import ipaddress
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from functools import partial
+
+import pytest
+import torch
+import trio
+from PIL import Image
+
+from support.encoder import image_uri
+from test_encoder_batcher import FakeBackend, inline
+from trio_encode.encoder.batcher import ImageEncoder
+from trio_encode.encoder.fetch import FetchPolicy, RemoteFetcher, is_remote
+from trio_encode.encoder.settings import EncoderSettings
+from trio_encode.errors import InvalidInput
+
+LOOPBACK = (ipaddress.ip_network("127.0.0.0/8"),)
+
+
+def png(width: int, height: int, colour: tuple[int, int, int] = (10, 20, 30)) -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", (width, height), colour).save(out, format="PNG")
+    return out.getvalue()
+
+
+PNG = png(8, 8)
+
+Handler = Callable[[trio.SocketStream], Awaitable[None]]
+
+
+@dataclass
+class WebServer:
+    """A minimal HTTP/1.1 server: each path answers with a canned status, headers and body."""
+
+    routes: dict[str, tuple[int, dict[str, str], bytes]] = field(default_factory=dict)
+    hang: set[str] = field(default_factory=set)
+    port: int = 0
+    requests: list[tuple[str, str]] = field(default_factory=list)  # (path, Host header)
+
+    def url(self, path: str, host: str = "127.0.0.1") -> str:
+        return f"http://{host}:{self.port}{path}"
+
+    async def handle(self, stream: trio.SocketStream) -> None:
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = await stream.receive_some(4096)
+            if not chunk:
+                return
+            data += chunk
+        lines = data.split(b"\r\n")
+        path = lines[0].split()[1].decode()
+        host = next(
+            (line[5:].strip().decode() for line in lines if line.lower().startswith(b"host:")), ""
+        )
+        self.requests.append((path, host))
+        if path in self.hang:
+            await trio.sleep_forever()
+        status, headers, body = self.routes.get(path, (404, {}, b"not here"))
+        head = f"HTTP/1.1 {status} X\r\nConnection: close\r\n"
+        head += "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        if "Content-Length" not in headers:
+            head += f"Content-Length: {len(body)}\r\n"
+        await stream.send_all(head.encode() + b"\r\n" + body)
+        await stream.aclose()
+
+
+@asynccontextmanager
+async def web_server() -> AsyncIterator[WebServer]:
+    server = WebServer()
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(partial(trio.serve_tcp, server.handle, 0, host="127.0.0.1"))
+        server.port = listeners[0].socket.getsockname()[1]
+        yield server
+        nursery.cancel_scope.cancel()
+
+
+def fetcher(**policy: object) -> RemoteFetcher:
+    defaults: dict[str, object] = {"enabled": True, "max_bytes": 1 << 20, "timeout": 5.0}
+    return RemoteFetcher(FetchPolicy(**(defaults | policy)))  # type: ignore[arg-type]
+
+
+def test_only_http_and_https_items_are_remote() -> None:
+    assert is_remote("http://x/a.png")
+    assert is_remote("HTTPS://x/a.png")
+    assert not is_remote("data:image/png;base64,AAAA")
+    assert not is_remote("file:///etc/passwd")
+    assert not is_remote("photos/a.png")
+
+
+async def test_fetching_is_off_unless_enabled() -> None:
+    async with web_server() as web:
+        web.routes["/a.png"] = (200, {}, PNG)
+        with pytest.raises(InvalidInput, match="not fetched by this server"):
+            await fetcher(enabled=False, private_networks=LOOPBACK).fetch(web.url("/a.png"))
+        assert web.requests == []
+
+
+async def test_a_listed_network_is_fetched_with_the_name_as_host() -> None:
+    async with web_server() as web:
+        web.routes["/a.png"] = (200, {"Content-Type": "image/png"}, PNG)
+        got = await fetcher(private_networks=LOOPBACK).fetch(web.url("/a.png", host="localhost"))
+        assert got == PNG
+        assert web.requests == [("/a.png", f"localhost:{web.port}")]
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "[::ffff:127.0.0.1]"])
+async def test_loopback_is_refused_unless_listed(host: str) -> None:
+    async with web_server() as web:
+        web.routes["/a.png"] = (200, {}, PNG)
+        with pytest.raises(InvalidInput, match="non-public address"):
+            await fetcher().fetch(web.url("/a.png", host=host))
+        assert web.requests == []
+
+
+@pytest.mark.parametrize(
+    "address", ["10.1.2.3", "192.168.0.1", "172.16.0.1", "169.254.169.254", "0.0.0.0", "::1"]
+)
+async def test_private_link_local_and_unspecified_addresses_are_refused(address: str) -> None:
+    host = f"[{address}]" if ":" in address else address
+    with pytest.raises(InvalidInput, match="non-public address"):
+        await fetcher(private_networks=LOOPBACK).fetch(f"http://{host}/latest/meta-data")
+
+
+def test_public_addresses_are_allowed_and_multicast_is_not() -> None:
+    policy = FetchPolicy(enabled=True)
+    assert policy.address_allowed(ipaddress.ip_address("93.184.216.34"))
+    assert policy.address_allowed(ipaddress.ip_address("2606:2800:220:1::1"))
+    assert not policy.address_allowed(ipaddress.ip_address("224.0.0.1"))
+    assert not policy.address_allowed(ipaddress.ip_address("fe80::1"))
+    assert not policy.address_allowed(ipaddress.ip_address("fd00::1"))
+
+
+async def test_a_host_allowlist_refuses_every_other_host() -> None:
+    async with web_server() as web:
+        web.routes["/a.png"] = (200, {}, PNG)
+        only = fetcher(private_networks=LOOPBACK, hosts=frozenset({"images.example"}))
+        with pytest.raises(InvalidInput, match="not on this server's fetch allowlist"):
+            await only.fetch(web.url("/a.png"))
+        allowed = fetcher(private_networks=LOOPBACK, hosts=frozenset({"localhost"}))
+        assert await allowed.fetch(web.url("/a.png", host="LOCALHOST")) == PNG
+
+
+async def test_bodies_past_the_byte_limit_are_refused() -> None:
+    async with web_server() as web:
+        web.routes["/declared"] = (200, {}, b"x" * 2000)
+        web.routes["/undeclared"] = (200, {"Content-Length": "10"}, b"x" * 10)
+        small = fetcher(private_networks=LOOPBACK, max_bytes=1000)
+        with pytest.raises(InvalidInput, match="2000 bytes; the limit is 1000"):
+            await small.fetch(web.url("/declared"))
+        tiny = fetcher(private_networks=LOOPBACK, max_bytes=5)
+        with pytest.raises(InvalidInput, match="the limit is 5 bytes"):
+            await tiny.fetch(web.url("/undeclared"))
+
+
+async def test_redirects_are_followed_up_to_the_limit_each_hop_checked() -> None:
+    async with web_server() as web:
+        web.routes["/a.png"] = (200, {}, PNG)
+        for n in range(1, 4):
+            target = "/a.png" if n == 1 else f"/hop{n - 1}"
+            web.routes[f"/hop{n}"] = (302, {"Location": target}, b"")
+        web.routes["/to-metadata"] = (302, {"Location": "http://169.254.169.254/x"}, b"")
+        policy = fetcher(private_networks=LOOPBACK, max_redirects=2)
+        assert await policy.fetch(web.url("/hop2")) == PNG
+        with pytest.raises(InvalidInput, match="redirected more than 2 times"):
+            await policy.fetch(web.url("/hop3"))
+        with pytest.raises(InvalidInput, match=r"169\.254\.169\.254, a non-public address"):
+            await policy.fetch(web.url("/to-metadata"))
+
+
+async def test_a_slow_server_is_cut_off_at_the_time_limit() -> None:
+    async with web_server() as web:
+        web.hang.add("/slow")
+        started = trio.current_time()
+        with pytest.raises(InvalidInput, match=r"took longer than 0\.3 s"):
+            await fetcher(private_networks=LOOPBACK, timeout=0.3).fetch(web.url("/slow"))
+        assert trio.current_time() - started < 3.0
+
+
+async def test_an_error_status_is_refused_with_the_status() -> None:
+    async with web_server() as web:
+        with pytest.raises(InvalidInput, match="got HTTP 404"):
+            await fetcher(private_networks=LOOPBACK).fetch(web.url("/missing.png"))
+
+
+async def test_the_encoder_fetches_urls_in_order_and_decodes_them_under_the_same_limits() -> None:
+    """A request mixing a URL and an inline image; then a fetched image too large in pixels
+    is refused by the decoder exactly as an inline one would be."""
+    red, blue = png(8, 8, (255, 0, 0)), png(8, 8, (0, 0, 255))
+    settings = EncoderSettings(
+        warmup=False,
+        cache_bytes=0,
+        max_image_pixels=100,
+        remote_fetch=True,
+        remote_private_networks=("127.0.0.0/8",),
+    )
+    async with web_server() as web:
+        web.routes["/red.png"] = (200, {}, red)
+        web.routes["/huge.png"] = (200, {}, png(20, 20))
+        encoder = ImageEncoder(FakeBackend(), settings, run_decode=inline, run_forward=inline)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(encoder.run)
+            images = await encoder.load_items([web.url("/red.png"), image_uri(blue)])
+            assert images == [red, blue]
+            rows = (await encoder.encode(images)).tensor
+            assert torch.allclose(rows[0], torch.tensor([255.0, 0.0, 0.0]))
+            assert torch.allclose(rows[-1], torch.tensor([0.0, 0.0, 255.0]))
+            huge = await encoder.load_items([web.url("/huge.png")])
+            with pytest.raises(InvalidInput, match="limit is 100 pixels"):
+                await encoder.encode(huge)
+            with pytest.raises(InvalidInput, match=r"mm_items\[1\]: fetching .* got HTTP 404"):
+                await encoder.load_items([image_uri(blue), web.url("/nope.png")])
+            nursery.cancel_scope.cancel()
+
+
+def test_a_malformed_private_network_is_a_settings_error() -> None:
+    with pytest.raises(ValueError, match="not a CIDR network"):
+        EncoderSettings(remote_private_networks=("10.0.0.0/33",))
