@@ -147,6 +147,7 @@ class RequestScope:
         self._register_lock = trio.Lock()
         self._attempts: dict[Receiver, _Attempt] = {}
         self._done: set[Receiver] = set()
+        self._bytes_sent = 0
 
     # -- what handlers call -----------------------------------------------------------------
 
@@ -228,6 +229,7 @@ class RequestScope:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The scope's body; runs in the service nursery until the request is over."""
+        opened_at = trio.current_time()
         self._observer.scope_opened(self.req_id)
         log.info("scope opened", extra={"req_id": self.req_id})
         try:
@@ -256,8 +258,18 @@ class RequestScope:
             self._encoded.set()
             with trio.CancelScope(shield=True):
                 await self._release()
-            self._observer.scope_closed(self.req_id, self.end_reason)
-            log.info("scope closed: %s", self.end_reason, extra={"req_id": self.req_id})
+            seconds = trio.current_time() - opened_at
+            self._observer.scope_closed(self.req_id, self.end_reason, seconds)
+            log.info(
+                "scope closed: %s",
+                self.end_reason,
+                extra={
+                    "req_id": self.req_id,
+                    "duration_s": round(seconds, 6),
+                    "bytes_sent": self._bytes_sent,
+                    "receivers": f"{len(self._done)}/{self.receive_count}",
+                },
+            )
             self._ended.set()
 
     async def _run_encode(self) -> None:
@@ -291,6 +303,7 @@ class RequestScope:
                 attempt.receiver.session_id, address, attempt.receiver.buffer_address, nbytes
             )
             attempt.succeeded = True
+            self._bytes_sent += nbytes
             self._observer.transfer_finished(self.req_id, nbytes, trio.current_time() - started)
             self._done.add(attempt.receiver)
             attempt.receivers_done = len(self._done)
