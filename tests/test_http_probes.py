@@ -39,10 +39,12 @@ async def test_readyz_is_503_until_the_model_has_loaded_while_livez_answers(
         loaded.wait(timeout=30)  # a model that takes its time, in the loader's thread
         return StandInEncoder()
 
+    loading = LoadingEncoder(load)
     async with (
-        serving(fleet.server, encoder=LoadingEncoder(load), shutdown_grace=0.1) as harness,
+        serving(fleet.server, encoder=loading, shutdown_grace=0.1) as harness,
         httpx.AsyncClient(base_url=harness.running.url) as http,
     ):
+        loading.start_loading()
         assert (await http.get("/livez")).json() == {"status": "ok"}
         for route in ("/readyz", "/health"):
             response = await http.get(route)

@@ -22,11 +22,20 @@ log = logging.getLogger(__name__)
 
 class LoadingEncoder:
     """Stands in for the encoder ``load`` builds (blocking, in a worker thread) until it is
-    built; calls meanwhile get :class:`NotReady`. A failing ``load`` fails the server."""
+    built; calls meanwhile get :class:`NotReady`. A failing ``load`` fails the server.
+
+    Loading begins at :meth:`start_loading`, which the caller calls once the port is bound: a
+    server that cannot listen then exits without a loader thread to wait for.
+    """
 
     def __init__(self, load: Callable[[], Encoder]) -> None:
         self._load = load
         self._encoder: Encoder | None = None
+        self._may_load = trio.Event()
+
+    def start_loading(self) -> None:
+        """Let :meth:`run` load the model (it waits for this)."""
+        self._may_load.set()
 
     @property
     def ready(self) -> bool:
@@ -49,12 +58,14 @@ class LoadingEncoder:
         return await self._loaded().encode(images)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Start at once, load the model, then run the loaded encoder until cancelled."""
+        """Start at once; once allowed, load the model, then run the loaded encoder until
+        cancelled."""
         task_status.started()
+        await self._may_load.wait()
         started = trio.current_time()
-        # A shutdown during loading need not wait for it: the half-built model holds no memory
-        # that anything else could still be using, and is dropped with the thread.
-        encoder = await trio.to_thread.run_sync(self._load, abandon_on_cancel=True)
+        # A shutdown during loading waits for it: a thread abandoned in the middle of building
+        # a model makes the interpreter abort at exit.
+        encoder = await trio.to_thread.run_sync(self._load, abandon_on_cancel=False)
         log.info("model loaded in %.1f s", trio.current_time() - started)
         self._encoder = encoder
         await encoder.run()

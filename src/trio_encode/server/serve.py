@@ -182,10 +182,19 @@ async def run_server(settings: ServerSettings) -> ShutdownReport:
         log.info("encoder loaded: %s", encoder.info.model_id)
         return encoder
 
-    return await serve(
-        settings,
-        engine=engine,
-        encoder=LoadingEncoder(load),
-        metrics=metrics,
-        handle_signals=True,
-    )
+    encoder = LoadingEncoder(load)
+    async with trio.open_nursery() as nursery:
+        running: RunningServer = await nursery.start(
+            partial(
+                serve,
+                settings,
+                engine=engine,
+                encoder=encoder,
+                metrics=metrics,
+                handle_signals=True,
+            )
+        )
+        encoder.start_loading()  # only now: a port in use has already failed
+    report = running.service.shutdown_report
+    assert report is not None  # serve() returns only after its shutdown
+    return report
