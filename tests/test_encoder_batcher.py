@@ -334,7 +334,7 @@ async def test_load_items_names_the_bad_entry(autojump_clock: trio.testing.MockC
     good = "data:image/png;base64,iVBORw0KGgo="
     assert await encoder.load_items([good]) == [b"\x89PNG\r\n\x1a\n"]
     with pytest.raises(InvalidInput, match=r"mm_items\[1\]: unsupported image type"):
-        await encoder.load_items([good, "data:image/gif;base64,R0lG"])
+        await encoder.load_items([good, "data:image/tiff;base64,SUkq"])
 
 
 async def test_not_running_is_not_ready_and_stopping_fails_waiters(
