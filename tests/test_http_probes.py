@@ -126,6 +126,7 @@ async def test_metrics_time_each_route_and_scope_and_name_the_build(fleet: Fleet
     assert metric_value(text, P + "build_info", **versions) == 1
     assert "process_cpu_seconds_total" in text
     assert "python_info" in text
+    assert "python_gc_objects_collected_total" in text
     assert "_created" not in text
 
 

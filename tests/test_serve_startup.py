@@ -75,3 +75,16 @@ def test_a_port_in_use_fails_at_once_before_the_model_loads() -> None:
     assert "Address already in use" in stderr or "address already in use" in stderr, stderr
     assert "Traceback" not in stderr
     assert "model loaded" not in stderr
+
+
+def test_the_demo_keeps_mooncake_info_lines_out_of_its_output() -> None:
+    env = {key: value for key, value in os.environ.items() if key != "MC_LOG_LEVEL"}
+    result = subprocess.run(
+        [sys.executable, "-m", "trio_encode.cli", "demo", "--requests", "1", "--images", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert not _GLOG_INFO.search(result.stderr), result.stderr

@@ -21,6 +21,7 @@ from prometheus_client import (
     CollectorRegistry,
     Counter,
     Gauge,
+    GCCollector,
     Histogram,
     Info,
     PlatformCollector,
@@ -86,6 +87,7 @@ class Metrics:
         self.registry = CollectorRegistry()
         r = self.registry
         ProcessCollector(registry=r)
+        GCCollector(registry=r)
         PlatformCollector(registry=r)
         Info(PREFIX + "build", "Versions of this server and its engines.", registry=r).info(
             build_versions()
