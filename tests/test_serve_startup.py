@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 
@@ -88,3 +89,18 @@ def test_the_demo_keeps_mooncake_info_lines_out_of_its_output() -> None:
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert not _GLOG_INFO.search(result.stderr), result.stderr
+
+
+def test_a_model_that_cannot_load_fails_the_start_with_one_line(tmp_path: Path) -> None:
+    weights = tmp_path / "broken.safetensors"
+    weights.write_bytes(b"not a safetensors file")
+    process = _serve("--port", "0", "--weights", str(weights))
+    try:
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 1, stderr
+    assert "Error: the model could not be loaded:" in stderr
+    assert "Traceback" not in stderr

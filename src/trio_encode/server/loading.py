@@ -65,7 +65,11 @@ class LoadingEncoder:
         started = trio.current_time()
         # A shutdown during loading waits for it: a thread abandoned in the middle of building
         # a model makes the interpreter abort at exit.
-        encoder = await trio.to_thread.run_sync(self._load, abandon_on_cancel=False)
+        try:
+            encoder = await trio.to_thread.run_sync(self._load, abandon_on_cancel=False)
+        except Exception as exc:
+            # One line for the operator: the cause, not the loader's stack.
+            raise RuntimeError(f"the model could not be loaded: {exc}") from exc
         log.info("model loaded in %.1f s", trio.current_time() - started)
         self._encoder = encoder
         await encoder.run()
