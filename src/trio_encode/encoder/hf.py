@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +24,27 @@ from trio_encode.encoder.settings import EncoderSettings
 
 log = logging.getLogger(__name__)
 
-# model_type -> (transformers model class, whether the first token is a CLS token to drop,
-# transformers image processor class for a directory without preprocessor_config.json).
-_KINDS: dict[str, tuple[str, bool, str]] = {
-    "clip": ("CLIPVisionModel", True, "CLIPImageProcessor"),
-    "clip_vision_model": ("CLIPVisionModel", True, "CLIPImageProcessor"),
-    "siglip": ("SiglipVisionModel", False, "SiglipImageProcessor"),
-    "siglip_vision_model": ("SiglipVisionModel", False, "SiglipImageProcessor"),
+
+@dataclass(frozen=True)
+class _Kind:
+    """What differs between the supported towers."""
+
+    model_class: str
+    drops_cls: bool
+    """Whether the first output token is a CLS token (not an image token) to drop."""
+    processor_class: str
+    """The processor for a directory without ``preprocessor_config.json``."""
+    crops: bool
+    """Whether that processor resizes the short side and centre-crops (else: to a square)."""
+
+
+_CLIP = _Kind("CLIPVisionModel", True, "CLIPImageProcessor", crops=True)
+_SIGLIP = _Kind("SiglipVisionModel", False, "SiglipImageProcessor", crops=False)
+_KINDS = {
+    "clip": _CLIP,
+    "clip_vision_model": _CLIP,
+    "siglip": _SIGLIP,
+    "siglip_vision_model": _SIGLIP,
 }
 _PROCESSOR_CONFIG = "preprocessor_config.json"
 
@@ -72,8 +87,8 @@ class HFVisionBackend:
             raise ValueError(
                 f"{model_dir} holds a {model_type or 'untyped'} model; supported: {supported}"
             )
-        class_name, has_cls, processor_name = _KINDS[model_type]
-        model_class = getattr(transformers, class_name)
+        kind = _KINDS[model_type]
+        model_class = getattr(transformers, kind.model_class)
         self.module = (
             model_class.from_pretrained(str(model_dir), local_files_only=True)
             .to(TORCH_DTYPES[settings.dtype])
@@ -82,12 +97,12 @@ class HFVisionBackend:
         )
         vision = self.module.config
         self.dtype = TORCH_DTYPES[settings.dtype]
-        self._drop_cls = has_cls
+        self._drop_cls = kind.drops_cls
         self._feature_layer = settings.hf_feature_layer
         self.tokens_per_image = (int(vision.image_size) // int(vision.patch_size)) ** 2
         self.hidden_size = int(vision.hidden_size)
         side = int(vision.image_size)
-        prepare = _ProcessorPrepare(_image_processor(transformers, model_dir, processor_name, side))
+        prepare = _ProcessorPrepare(_image_processor(transformers, model_dir, kind, side))
         _check_output_size(prepare, side, model_dir)
         self.preprocess = Preprocess(image_size=side, prepare=prepare)
         self.model_id = (
@@ -111,9 +126,7 @@ class HFVisionBackend:
             return result
 
 
-def _image_processor(
-    transformers: Any, model_dir: Path, default_class: str, image_size: int
-) -> Any:
+def _image_processor(transformers: Any, model_dir: Path, kind: _Kind, image_size: int) -> Any:
     """The model's own image processor; for a directory without one (a model saved without
     its processor), the model type's processor at its defaults, sized to the model."""
     if (model_dir / _PROCESSOR_CONFIG).exists():
@@ -124,11 +137,11 @@ def _image_processor(
         "%s has no %s: preprocessing with %s's defaults at %d px",
         model_dir,
         _PROCESSOR_CONFIG,
-        default_class,
+        kind.processor_class,
         image_size,
     )
-    processor_class = getattr(transformers, default_class)
-    if default_class == "CLIPImageProcessor":
+    processor_class = getattr(transformers, kind.processor_class)
+    if kind.crops:
         return processor_class(
             size={"shortest_edge": image_size},
             crop_size={"height": image_size, "width": image_size},

@@ -38,7 +38,6 @@ from trio_encode.settings import ServerSettings
 
 _PROTECTED = frozenset({"/encode", "/send"})
 
-log = logging.getLogger(__name__)
 access_log = logging.getLogger("trio_encode.access")
 
 
