@@ -3,6 +3,9 @@ client turns an answer back into its class by the kind alone, never by the prose
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import httpx
 import pytest
 
@@ -84,3 +87,11 @@ def test_an_unknown_kind_is_an_unexpected_response() -> None:
     assert isinstance(error, UnexpectedResponse)
     assert error.status == 418
     assert "teapot" in error.message
+
+
+def test_the_contract_document_lists_every_kind_with_its_status() -> None:
+    api = (Path(__file__).parent.parent / "docs" / "api.md").read_text()
+    documented = {
+        (int(status), kind) for status, kind in re.findall(r"^\| (\d{3}) \| `(\w+)` \|", api, re.M)
+    }
+    assert documented == {(cls.status, cls.kind) for cls in ERRORS}
