@@ -32,6 +32,8 @@ class RecordingObserver:
 
     def __init__(self) -> None:
         self.events: list[tuple[float, str, tuple[object, ...]]] = []
+        self.scope_seconds: dict[str, float] = {}
+        """How long each closed scope lived, as it reported when it closed."""
 
     def _add(self, name: str, *args: object) -> None:
         self.events.append((trio.current_time(), name, args))
@@ -42,8 +44,9 @@ class RecordingObserver:
     def scope_opened(self, req_id: str) -> None:
         self._add("scope_opened", req_id)
 
-    def scope_closed(self, req_id: str, reason: str) -> None:
+    def scope_closed(self, req_id: str, reason: str, seconds: float) -> None:
         self._add("scope_closed", req_id, reason)
+        self.scope_seconds[req_id] = seconds
 
     def registered(self, address: int, length: int) -> None:
         self._add("registered", address, length)

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import httpx
 import pytest
@@ -33,6 +34,8 @@ SETTINGS = {
     "--engine-device": "TRIO_ENCODE_ENGINE_DEVICE",
     "--engine-hostname": "TRIO_ENCODE_ENGINE_HOSTNAME",
     "--log-level": "TRIO_ENCODE_LOG_LEVEL",
+    "--access-log": "TRIO_ENCODE_ACCESS_LOG",
+    "--engine-log-level": "TRIO_ENCODE_ENGINE_LOG_LEVEL",
     "--image-size": "TRIO_ENCODE_IMAGE_SIZE",
     "--patch-size": "TRIO_ENCODE_PATCH_SIZE",
     "--width": "TRIO_ENCODE_WIDTH",
@@ -98,7 +101,18 @@ def test_the_flag_wins_over_the_variable_and_the_variable_over_the_default(
     assert settings.engine.protocol == "rdma"
     assert settings.host == "127.0.0.1"  # default
     assert settings.engine.metadata_server == "P2PHANDSHAKE"
+    assert (settings.access_log, settings.engine_log_level) == (True, "ERROR")  # defaults
     assert "0 cut short" in result.output
+
+
+def test_access_log_and_engine_log_level_read_flags_and_variables(
+    captured: list[ServerSettings],
+) -> None:
+    env = {"TRIO_ENCODE_ENGINE_LOG_LEVEL": "warning"}
+    result = CliRunner().invoke(cli, ["serve", "--no-access-log"], env=env)
+    assert result.exit_code == 0, result.output
+    (settings,) = captured
+    assert (settings.access_log, settings.engine_log_level) == (False, "WARNING")
 
 
 def test_encoder_flags_beat_variables_which_beat_the_defaults(
@@ -191,6 +205,10 @@ def test_serve_on_port_0_logs_its_port_and_stops_cleanly_on_sigterm() -> None:
         assert url is not None, "".join(lines)
         drain = threading.Thread(target=lambda: lines.extend(process.stderr or []), daemon=True)
         drain.start()
+        for _ in range(600):  # the model loads behind the listening port
+            if httpx.get(url + "/readyz", timeout=10).status_code == 200:
+                break
+            time.sleep(0.05)
         health = httpx.get(url + "/health", timeout=10)
         assert health.status_code == 200
         assert health.json()["status"] == "ok"

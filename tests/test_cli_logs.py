@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from trio_encode.logs import setup_logging
+from trio_encode.settings import LogFormat
 
 
 @pytest.fixture
@@ -47,3 +48,17 @@ def test_json_lines_parse_one_per_event() -> None:
     (line,) = stream.getvalue().splitlines()
     record = json.loads(line)
     assert (record["level"], record["msg"], record["req_id"]) == ("WARNING", "expired", "r")
+
+
+@pytest.mark.usefixtures("restore_root_logger")
+@pytest.mark.parametrize("log_format", ["kv", "json"])
+def test_timestamps_are_iso_8601_in_utc_in_both_formats(log_format: LogFormat) -> None:
+    stream = io.StringIO()
+    setup_logging("INFO", log_format, stream)
+    record = logging.makeLogRecord({"msg": "at a known moment", "levelno": logging.INFO})
+    record.levelname = "INFO"
+    record.created = 1_796_000_000.25  # 2026-11-30T00:53:20.250Z
+    logging.getLogger().handle(record)
+    line = stream.getvalue().strip()
+    stamp = json.loads(line)["ts"] if log_format == "json" else line.split()[0].removeprefix("ts=")
+    assert stamp == "2026-11-30T00:53:20.250Z"

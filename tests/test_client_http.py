@@ -8,8 +8,14 @@ import torch
 from support.encoder import embedding_size, image_uri
 from support.engines import DEAD_SESSION, Fleet, fleet_fixture  # noqa: F401  (the fixture)
 from support.harness import landing_pools, serving
-from trio_encode.client import EncodeClient, RequestRejected, TransferFailed
-from trio_encode.errors import InvalidInput, ReceiveCountConflict, UnknownRequest
+from trio_encode.client import EncodeClient, EngineFailed, RequestRejected
+from trio_encode.errors import (
+    InvalidInput,
+    ReceiveCountConflict,
+    TooLarge,
+    Unauthorized,
+    UnknownRequest,
+)
 
 ITEM = image_uri(b"client image")
 
@@ -26,9 +32,9 @@ async def test_errors_come_back_typed_with_status_message_and_req_id(fleet: Flee
         assert (bad.value.status, bad.value.req_id) == (400, "c")  # type: ignore[attr-defined]
         with pytest.raises(UnknownRequest):
             await client.send("nobody", pools[0].session_id, pools[0].address)
-        with pytest.raises(RequestRejected) as too_big:
+        with pytest.raises(TooLarge) as too_big:
             await client.encode("c", [image_uri(b"x" * 8192)])
-        assert too_big.value.status == 413  # type: ignore[attr-defined]
+        assert (too_big.value.status, too_big.value.kind) == (413, "too_large")
 
         encoded = await client.encode("c", [ITEM], receive_count=1, prefill_host="p0")
         assert encoded.body["prefill_host"] == "p0"
@@ -38,9 +44,11 @@ async def test_errors_come_back_typed_with_status_message_and_req_id(fleet: Flee
             (DEAD_SESSION, pools[0].address),
             (pools[0].session_id, stray.data_ptr()),
         ):
-            with pytest.raises(TransferFailed) as failed:
+            with pytest.raises(EngineFailed) as failed:
                 await client.send("c", session_id, address)
-            assert (failed.value.code, failed.value.req_id) == (-1, "c")
+            error = failed.value
+            assert (error.engine_call, error.engine_code, error.req_id) == ("transfer", -1, "c")
+            assert error.engine_meaning is not None
         sent = await client.send("c", pools[0].session_id, pools[0].address)
         assert sent.receivers_done == 1
         await harness.settled()
@@ -54,6 +62,7 @@ async def test_errors_come_back_typed_with_status_message_and_req_id(fleet: Flee
 async def test_a_token_the_server_does_not_share_is_rejected(fleet: Fleet) -> None:
     async with serving(fleet.server, token="right") as harness:
         async with EncodeClient(harness.running.url, token="wrong") as client:
-            with pytest.raises(RequestRejected) as rejected:
+            with pytest.raises(Unauthorized) as rejected:
                 await client.encode("t", [ITEM])
-        assert rejected.value.status == 401  # type: ignore[attr-defined]
+        assert isinstance(rejected.value, RequestRejected)
+        assert (rejected.value.status, rejected.value.kind) == (401, "unauthorized")

@@ -21,7 +21,7 @@ from PIL import Image
 
 from trio_encode.embedding import Embedding
 from trio_encode.encoder import EncoderSettings, ImageEncoder, Preprocess
-from trio_encode.errors import EncodeFailed, InvalidInput, Overloaded, ShuttingDown
+from trio_encode.errors import EncodeFailed, InvalidInput, NotReady, Overloaded, ShuttingDown
 
 T = TypeVar("T")
 FORWARD_SECONDS = 1.0
@@ -334,14 +334,14 @@ async def test_load_items_names_the_bad_entry(autojump_clock: trio.testing.MockC
     good = "data:image/png;base64,iVBORw0KGgo="
     assert await encoder.load_items([good]) == [b"\x89PNG\r\n\x1a\n"]
     with pytest.raises(InvalidInput, match=r"mm_items\[1\]: unsupported image type"):
-        await encoder.load_items([good, "data:image/gif;base64,R0lG"])
+        await encoder.load_items([good, "data:image/tiff;base64,SUkq"])
 
 
-async def test_not_running_is_overloaded_and_stopping_fails_waiters(
+async def test_not_running_is_not_ready_and_stopping_fails_waiters(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     encoder, backend, _ = make(replace(SETTINGS, max_batch_size=1))
-    with pytest.raises(Overloaded, match="not ready"):
+    with pytest.raises(NotReady, match="not ready"):
         await encoder.encode([image(1)])
     errors: list[ShuttingDown] = []
 

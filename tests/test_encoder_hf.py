@@ -63,18 +63,86 @@ def test_tiny_tower_loads_and_matches_transformers(kind: str, tokens: int, tmp_p
     assert torch.allclose(out, expected, atol=1e-5)
 
 
-def test_preprocessing_comes_from_the_model_directory(tmp_path: Path) -> None:
+def photo(seed: int, size: tuple[int, int] = (70, 50)) -> bytes:
+    """A non-square PNG, so resizing, cropping and resampling all matter."""
+    generator = torch.Generator().manual_seed(seed)
+    width, height = size
+    array = torch.randint(0, 256, (height, width, 3), generator=generator, dtype=torch.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(array.numpy()).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def save_processor(kind: str, directory: Path) -> Any:
+    """A processor unlike the defaults in every setting our old hand-made pipeline ignored:
+    resampling, shortest edge, crop and rescale factor."""
+    processor: Any
+    if kind == "clip":
+        processor = transformers.CLIPImageProcessor(
+            size={"shortest_edge": 40},
+            crop_size={"height": 32, "width": 32},
+            resample=Image.Resampling.BILINEAR,
+            rescale_factor=1 / 300,
+            image_mean=[0.1, 0.2, 0.3],
+            image_std=[0.4, 0.5, 0.6],
+        )
+    else:
+        processor = transformers.SiglipImageProcessor(
+            size={"height": 32, "width": 32},
+            resample=Image.Resampling.NEAREST,
+            rescale_factor=1 / 200,
+        )
+    processor.save_pretrained(directory)
+    return processor
+
+
+async def _encode(settings: EncoderSettings, images: list[bytes]) -> torch.Tensor:
+    encoder = ImageEncoder.from_settings(settings)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(encoder.run)
+        embedding = await encoder.encode(images)
+        nursery.cancel_scope.cancel()
+    return embedding.tensor
+
+
+@pytest.mark.parametrize("kind", ["clip", "siglip"])
+async def test_embeddings_match_transformers_own_pipeline(kind: str, tmp_path: Path) -> None:
+    model = tiny_tower(kind, tmp_path)
+    processor = save_processor(kind, tmp_path)
+    images = [photo(1), photo(2, (33, 90))]
+
+    ours = await _encode(EncoderSettings(hf_model_dir=tmp_path, max_batch_wait=0.0), images)
+
+    pixels = processor(images=[Image.open(io.BytesIO(i)) for i in images], return_tensors="pt")
+    with torch.no_grad():
+        theirs = model(pixel_values=pixels["pixel_values"]).last_hidden_state
+    if kind == "clip":
+        theirs = theirs[:, 1:, :]
+    assert ours.shape == (2 * 16, 32)
+    assert torch.allclose(ours, theirs.reshape(-1, 32), atol=1e-5)
+
+
+def test_a_model_saved_without_its_processor_gets_the_defaults_at_its_size(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     tiny_tower("clip", tmp_path)
-    assert load_backend(EncoderSettings(hf_model_dir=tmp_path)).preprocess.mean[0] == (
-        pytest.approx(0.48145466)
-    )
-    (tmp_path / "preprocessor_config.json").write_text(
-        json.dumps({"image_mean": [0.1, 0.2, 0.3], "image_std": 0.5, "do_center_crop": False})
-    )
-    preprocess = load_backend(EncoderSettings(hf_model_dir=tmp_path)).preprocess
-    assert preprocess.mean == (0.1, 0.2, 0.3)
-    assert preprocess.std == (0.5, 0.5, 0.5)
-    assert not preprocess.center_crop
+    backend = load_backend(EncoderSettings(hf_model_dir=tmp_path))
+    assert "has no preprocessor_config.json" in caplog.text
+    prepare = backend.preprocess.prepare
+    assert prepare is not None
+    expected = transformers.CLIPImageProcessor(
+        size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}
+    )(images=Image.open(io.BytesIO(photo(3))), return_tensors="pt")["pixel_values"][0]
+    assert torch.equal(prepare(Image.open(io.BytesIO(photo(3))).convert("RGB")), expected)
+
+
+def test_a_processor_whose_output_the_model_cannot_take_is_refused(tmp_path: Path) -> None:
+    tiny_tower("clip", tmp_path)
+    transformers.CLIPImageProcessor(
+        size={"shortest_edge": 64}, crop_size={"height": 64, "width": 64}
+    ).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"makes \(3, 64, 64\) pixels; the model takes"):
+        load_backend(EncoderSettings(hf_model_dir=tmp_path))
 
 
 def test_feature_layer_and_dtype(tmp_path: Path) -> None:

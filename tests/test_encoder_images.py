@@ -97,8 +97,9 @@ def test_center_crop_keeps_the_middle() -> None:
     ("item", "words"),
     [
         ("data:image/png;base64,%%%not-base64%%%", "base64"),
-        ("data:image/png;base64,aGVsbG8=", "not a PNG or JPEG"),
-        ("data:image/gif;base64,R0lGODlh", "unsupported image type 'image/gif'"),
+        ("data:image/png;base64,aGVsbG8=", "not a PNG, JPEG, WebP, GIF or BMP image"),
+        ("data:image/tiff;base64,SUkqAA==", "unsupported image type 'image/tiff'"),
+        ("data:image/gif;base64,R0lGODlh", "not a PNG, JPEG, WebP, GIF or BMP image"),
         ("data:text/plain;base64,aGVsbG8=", "unsupported image type"),
         ("data:image/png,rawbytes", "base64-encoded"),
         ("data:image/png;base64", "malformed data URI"),
@@ -115,12 +116,41 @@ def test_bad_items_are_invalid_input(item: str, words: str) -> None:
         load_and_decode()
 
 
-def test_a_gif_disguised_as_png_is_refused() -> None:
+def test_a_tiff_disguised_as_png_is_refused() -> None:
+    """Only the decoders of the supported formats ever run, whatever the URI claims."""
     buffer = io.BytesIO()
-    Image.new("RGB", (4, 4)).save(buffer, format="GIF")
+    Image.new("RGB", (4, 4)).save(buffer, format="TIFF")
     data = load_item(data_uri(buffer.getvalue()), max_bytes=MAX_BYTES)
-    with pytest.raises(InvalidInput, match="not a PNG or JPEG"):
+    with pytest.raises(InvalidInput, match="not a PNG, JPEG, WebP, GIF or BMP image"):
         decode_image(data, PRE, max_pixels=10_000)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "media_type"), [("WEBP", "image/webp"), ("GIF", "image/gif"), ("BMP", "image/bmp")]
+)
+def test_webp_gif_and_bmp_decode_like_png(fmt: str, media_type: str) -> None:
+    # Flat colours survive every one of these codecs (GIF's palette, lossy WebP) unchanged.
+    image = Image.new("RGB", (20, 12), (0, 0, 0))
+    image.paste((255, 255, 255), (0, 0, 10, 12))
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt, **({"lossless": True} if fmt == "WEBP" else {}))
+    data = load_item(data_uri(buffer.getvalue(), media_type), max_bytes=MAX_BYTES)
+    assert torch.equal(
+        decode_image(data, PRE, max_pixels=10_000),
+        decode_image(_untagged(image), PRE, max_pixels=10_000),
+    )
+    with pytest.raises(InvalidInput, match=r"declares 20x12 pixels; the limit is 200"):
+        decode_image(data, PRE, max_pixels=200)
+
+
+@pytest.mark.parametrize("fmt", ["GIF", "WEBP"])
+def test_an_animation_contributes_its_first_frame(fmt: str) -> None:
+    frames = [Image.new("RGB", (16, 16), colour) for colour in ((255, 0, 0), (0, 0, 255))]
+    buffer = io.BytesIO()
+    extra = {"lossless": True} if fmt == "WEBP" else {}
+    frames[0].save(buffer, format=fmt, save_all=True, append_images=frames[1:], **extra)
+    pixels = decode_image(buffer.getvalue(), PRE, max_pixels=10_000)
+    assert torch.equal(pixels, decode_image(_untagged(frames[0]), PRE, max_pixels=10_000))
 
 
 def test_too_many_bytes_is_refused_before_decoding() -> None:
@@ -175,7 +205,7 @@ def test_media_dir_files_load_only_from_inside(tmp_path: Path) -> None:
             load_item(escape, max_bytes=MAX_BYTES, media_dir=media)
     with pytest.raises(InvalidInput, match="no such image file"):
         load_item("missing.png", max_bytes=MAX_BYTES, media_dir=media)
-    with pytest.raises(InvalidInput, match=r"must be \.png, \.jpg or \.jpeg"):
+    with pytest.raises(InvalidInput, match=r"must end in one of \.bmp, \.gif, \.jpeg"):
         load_item("notes.txt", max_bytes=MAX_BYTES, media_dir=media)
     with pytest.raises(InvalidInput, match="limit is 10 bytes"):
         load_item("sub/cat.png", max_bytes=10, media_dir=media)

@@ -57,6 +57,8 @@ class Case:
     """req_id -> receive_count: requests encoded before the call and completed after it."""
     complete_first: bool = False
     """Complete the opened requests before the call (to test a released req_id)."""
+    kind: str = ""
+    """The machine-readable ``"error"`` of the answer."""
 
 
 def encode(req_id: str | None = "r", **fields: Any) -> dict[str, Any]:
@@ -67,18 +69,76 @@ def encode(req_id: str | None = "r", **fields: Any) -> dict[str, Any]:
 
 
 CASES = [
-    Case("malformed-json", "/encode", b'{"req_id": "r", ', 400, "not valid JSON", None),
-    Case("empty-body", "/encode", b"", 400, "not valid JSON", None),
-    Case("not-an-object", "/send", b'["r"]', 400, "JSON object", None),
-    Case("not-utf8", "/encode", b"\xff\xfe{}", 400, "not valid JSON", None),
-    Case("missing-req-id", "/encode", encode(None), 400, "req_id: Field required", None),
-    Case("req-id-not-a-string", "/encode", encode(7), 400, "req_id", None),  # type: ignore[arg-type]
-    Case("req-id-empty", "/encode", encode(""), 400, "req_id", None),
-    Case("req-id-too-long", "/encode", encode("x" * 257), 400, "at most 256", None),
-    Case("missing-mm-items", "/encode", {"req_id": "r"}, 400, "mm_items: Field required", "r"),
-    Case("mm-items-empty", "/encode", encode(mm_items=[]), 400, "mm_items", "r"),
-    Case("mm-items-not-strings", "/encode", encode(mm_items=[1]), 400, "mm_items.0", "r"),
-    Case("mm-item-garbage", "/encode", encode(mm_items=["hello"]), 400, "mm_items[0]", "r"),
+    Case(
+        "malformed-json",
+        "/encode",
+        b'{"req_id": "r", ',
+        400,
+        "not valid JSON",
+        None,
+        kind="invalid_input",
+    ),
+    Case("empty-body", "/encode", b"", 400, "not valid JSON", None, kind="invalid_input"),
+    Case("not-an-object", "/send", b'["r"]', 400, "JSON object", None, kind="invalid_input"),
+    Case("not-utf8", "/encode", b"\xff\xfe{}", 400, "not valid JSON", None, kind="invalid_input"),
+    Case(
+        "missing-req-id",
+        "/encode",
+        encode(None),
+        400,
+        "req_id: Field required",
+        None,
+        kind="invalid_input",
+    ),
+    Case(
+        "req-id-not-a-string",
+        "/encode",
+        encode(7),  # type: ignore[arg-type]
+        400,
+        "req_id",
+        None,
+        kind="invalid_input",
+    ),
+    Case("req-id-empty", "/encode", encode(""), 400, "req_id", None, kind="invalid_input"),
+    Case(
+        "req-id-too-long",
+        "/encode",
+        encode("x" * 257),
+        400,
+        "at most 256",
+        None,
+        kind="invalid_input",
+    ),
+    Case(
+        "missing-mm-items",
+        "/encode",
+        {"req_id": "r"},
+        400,
+        "mm_items: Field required",
+        "r",
+        kind="invalid_input",
+    ),
+    Case(
+        "mm-items-empty", "/encode", encode(mm_items=[]), 400, "mm_items", "r", kind="invalid_input"
+    ),
+    Case(
+        "mm-items-not-strings",
+        "/encode",
+        encode(mm_items=[1]),
+        400,
+        "mm_items.0",
+        "r",
+        kind="invalid_input",
+    ),
+    Case(
+        "mm-item-garbage",
+        "/encode",
+        encode(mm_items=["hello"]),
+        400,
+        "mm_items[0]",
+        "r",
+        kind="invalid_input",
+    ),
     Case(
         "mm-item-bad-base64",
         "/encode",
@@ -86,10 +146,35 @@ CASES = [
         400,
         "base64",
         "r",
+        kind="invalid_input",
     ),
-    Case("receive-count-zero", "/encode", encode(receive_count=0), 400, "receive_count", "r"),
-    Case("receive-count-string", "/encode", encode(receive_count="4"), 400, "receive_count", "r"),
-    Case("modality-video", "/encode", encode(modality="VIDEO"), 400, "(IMAGE, MULTI_IMAGES)", "r"),
+    Case(
+        "receive-count-zero",
+        "/encode",
+        encode(receive_count=0),
+        400,
+        "receive_count",
+        "r",
+        kind="invalid_input",
+    ),
+    Case(
+        "receive-count-string",
+        "/encode",
+        encode(receive_count="4"),
+        400,
+        "receive_count",
+        "r",
+        kind="invalid_input",
+    ),
+    Case(
+        "modality-video",
+        "/encode",
+        encode(modality="VIDEO"),
+        400,
+        "(IMAGE, MULTI_IMAGES)",
+        "r",
+        kind="invalid_input",
+    ),
     Case(
         "body-too-large",
         "/encode",
@@ -97,6 +182,7 @@ CASES = [
         413,
         "larger than",
         None,
+        kind="too_large",
     ),
     Case(
         "send-missing-address",
@@ -105,6 +191,7 @@ CASES = [
         400,
         "buffer_address",
         "r",
+        kind="invalid_input",
     ),
     Case(
         "send-address-zero",
@@ -113,6 +200,7 @@ CASES = [
         400,
         "buffer_address",
         "r",
+        kind="invalid_input",
     ),
     Case(
         "send-address-string",
@@ -121,6 +209,7 @@ CASES = [
         400,
         "buffer_address",
         "r",
+        kind="invalid_input",
     ),
     Case(
         "send-session-no-port",
@@ -129,6 +218,7 @@ CASES = [
         400,
         "host:port",
         "r",
+        kind="invalid_input",
     ),
     Case(
         "send-session-port-out-of-range",
@@ -137,9 +227,16 @@ CASES = [
         400,
         "host:port",
         "r",
+        kind="invalid_input",
     ),
     Case(
-        "send-unknown-req-id", "/send", lambda c: c.send_body("nobody"), 404, "no /encode", "nobody"
+        "send-unknown-req-id",
+        "/send",
+        lambda c: c.send_body("nobody"),
+        404,
+        "no /encode",
+        "nobody",
+        kind="unknown_request",
     ),
     Case(
         "send-released-req-id",
@@ -150,6 +247,7 @@ CASES = [
         "done",
         open={"done": 1},
         complete_first=True,
+        kind="released",
     ),
     Case(
         "encode-released-req-id",
@@ -160,6 +258,7 @@ CASES = [
         "done",
         open={"done": 1},
         complete_first=True,
+        kind="released",
     ),
     Case(
         "send-dead-session",
@@ -169,6 +268,7 @@ CASES = [
         "transfer failed with code -1",
         "live",
         open={"live": 1},
+        kind="engine_failed",
     ),
     Case(
         "send-unregistered-buffer",
@@ -178,6 +278,7 @@ CASES = [
         "transfer failed with code -1",
         "live",
         open={"live": 2},
+        kind="engine_failed",
     ),
     Case(
         "send-conflicting-receive-count",
@@ -187,6 +288,7 @@ CASES = [
         "conflicts with 2",
         "live",
         open={"live": 2},
+        kind="conflict",
     ),
     Case(
         "encode-conflicting-receive-count",
@@ -196,9 +298,16 @@ CASES = [
         "conflicts with 2",
         "live",
         open={"live": 2},
+        kind="conflict",
     ),
     Case(
-        "encoder-fails", "/encode", encode("f", mm_items=[image_uri(b"FAIL")]), 500, "failed", "f"
+        "encoder-fails",
+        "/encode",
+        encode("f", mm_items=[image_uri(b"FAIL")]),
+        500,
+        "failed",
+        "f",
+        kind="encode_failed",
     ),
 ]
 
@@ -232,8 +341,13 @@ async def test_bad_input_gets_a_contract_error_and_leaves_nothing(fleet: Fleet, 
 
         assert response.status_code == case.status, response.text
         answer = response.json()
-        assert set(answer) == {"status", "message", "req_id"}
-        assert answer["status"] == "error"
+        engine_fields = {"engine_call", "engine_code", "engine_meaning"}
+        shape = {"status", "error", "message", "req_id"}
+        assert set(answer) == shape | (engine_fields if case.kind == "engine_failed" else set())
+        assert (answer["status"], answer["error"]) == ("error", case.kind)
+        if case.kind == "engine_failed":
+            assert (answer["engine_call"], answer["engine_code"]) == ("transfer", -1)
+            assert "registered" in answer["engine_meaning"]
         assert case.message in answer["message"]
         assert "Traceback" not in answer["message"]
         assert answer["req_id"] == case.req_id
@@ -252,6 +366,10 @@ async def test_routes_outside_the_contract_answer_in_its_error_shape(fleet: Flee
         missing = await http.get("/nope")
         wrong_method = await http.get("/encode")
         assert (missing.status_code, wrong_method.status_code) == (404, 405)
+        assert (missing.json()["error"], wrong_method.json()["error"]) == (
+            "no_route",
+            "method_not_allowed",
+        )
         for response in (missing, wrong_method):
             assert response.json()["status"] == "error"
             assert response.json()["req_id"] is None
@@ -265,12 +383,15 @@ async def test_a_token_guards_encode_and_send_but_not_health_or_metrics(fleet: F
         for headers in ({}, {"Authorization": "Bearer wrong"}):
             response = await http.post("/encode", json=encode(), headers=headers)
             assert response.status_code == 401
+            assert response.headers["WWW-Authenticate"] == "Bearer"
             assert response.json() == {
                 "status": "error",
+                "error": "unauthorized",
                 "message": "missing or wrong bearer token (Authorization: Bearer ...)",
                 "req_id": None,
             }
-        assert (await http.get("/health")).status_code == 200
+        for probe in ("/health", "/livez", "/readyz"):
+            assert (await http.get(probe)).status_code == 200
         assert (await http.get("/metrics")).status_code == 200
         encoded = await harness.client.encode("authed", [GOOD_ITEM])  # the client has the token
         assert encoded.receive_count is None  # no call has named it yet

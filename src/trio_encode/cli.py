@@ -19,7 +19,7 @@ import trio
 
 from trio_encode.encoder.settings import EncoderSettings
 from trio_encode.engine import EngineError
-from trio_encode.engine.mooncake import MooncakeSettings
+from trio_encode.engine.mooncake import ENGINE_LOG_LEVELS, MooncakeSettings
 from trio_encode.logs import setup_logging
 from trio_encode.settings import MiB, ServerSettings
 
@@ -356,6 +356,21 @@ logging_options = _group(
         show_default=True,
         help="key=value lines for people, JSON lines for log shippers.",
     ),
+    _option(
+        "--access-log/--no-access-log",
+        env="ACCESS_LOG",
+        default=True,
+        show_default=True,
+        help="Log one line per answered HTTP request (method, path, status, duration, bytes).",
+    ),
+    _option(
+        "--engine-log-level",
+        env="ENGINE_LOG_LEVEL",
+        type=click.Choice(ENGINE_LOG_LEVELS, case_sensitive=False),
+        default="ERROR",
+        show_default=True,
+        help="Least severe Mooncake log line shown (sets its MC_LOG_LEVEL).",
+    ),
 )
 
 
@@ -417,6 +432,8 @@ def _settings(options: dict[str, Any]) -> ServerSettings:
         encoder=_encoder_settings(options),
         log_level=options["log_level"].upper(),
         log_format=options["log_format"],
+        access_log=options["access_log"],
+        engine_log_level=options["engine_log_level"].upper(),
     )
 
 

@@ -1,11 +1,15 @@
-"""The request-level failures the service reports, each carrying the facts behind it.
+"""Every request-level failure of the package, each a class that carries its own facts.
 
-Each names the contract's HTTP status for it (``status``): the server answers with it
-(``server/errors.py``) and the client maps statuses back to these classes, from one table.
-Transfer-engine failures are :class:`trio_encode.engine.EngineError`.
+Each class names the contract's HTTP status (``status``) and a stable machine-readable
+``kind``; the server answers with both (``server/errors.py``) and the client turns a kind back
+into its class with :func:`error_class`, so neither side parses prose. A 503 also says when to
+try again (``retry_after``). Transfer-engine failures are raised inside the package as
+:class:`trio_encode.engine.EngineError` and reach clients as :class:`EngineFailed`.
 """
 
 from __future__ import annotations
+
+from trio_encode.engine.base import EngineCall, EngineError, engine_code_meaning
 
 
 class RequestError(Exception):
@@ -13,6 +17,10 @@ class RequestError(Exception):
 
     status: int = 500
     """The HTTP status of the contract for this failure (server and client both read it)."""
+    kind: str = "internal"
+    """Stable machine-readable name of this failure, sent as ``"error"`` in every error body."""
+    retry_after: int | None = None
+    """Seconds after which a retry may succeed (sent as ``Retry-After``); None: do not retry."""
 
     def __init__(self, message: str, *, req_id: str | None = None) -> None:
         super().__init__(message)
@@ -20,61 +28,170 @@ class RequestError(Exception):
         self.req_id = req_id
 
 
+class InternalError(RequestError):
+    """A bug on the server; the details are in its log, never in the answer (500)."""
+
+    status = 500
+    kind = "internal"
+
+
 class InvalidInput(RequestError):
     """The request body or one of its images is unusable (400)."""
 
     status = 400
+    kind = "invalid_input"
+
+
+class RequestRejected(RequestError):
+    """The request was refused before its body was looked at (401, 404 route, 405, 413)."""
+
+
+class Unauthorized(RequestRejected):
+    """A protected route was called without the right bearer token (401)."""
+
+    status = 401
+    kind = "unauthorized"
+
+
+class NoSuchRoute(RequestRejected):
+    """No route of the contract has this path (404)."""
+
+    status = 404
+    kind = "no_route"
+
+
+class MethodNotAllowed(RequestRejected):
+    """The route exists but not with this method (405)."""
+
+    status = 405
+    kind = "method_not_allowed"
+
+
+class TooLarge(RequestRejected):
+    """The request body is larger than the server accepts (413)."""
+
+    status = 413
+    kind = "too_large"
 
 
 class UnknownRequest(RequestError):
     """A ``/send`` for a ``req_id`` that no ``/encode`` named here (404)."""
 
     status = 404
-
-
-class RequestReleased(RequestError):
-    """The request's scope has already ended; a late call cannot resurrect it (410)."""
-
-    status = 410
+    kind = "unknown_request"
 
 
 class ReceiveCountConflict(RequestError):
     """Two calls for one ``req_id`` disagree on ``receive_count`` (409)."""
 
     status = 409
+    kind = "conflict"
+
+
+class RequestReleased(RequestError):
+    """The request's scope has already ended; a late call cannot resurrect it (410)."""
+
+    status = 410
+    kind = "released"
 
 
 class EncodeFailed(RequestError):
     """The encoder failed for this request; every sibling gets the same error (500)."""
 
     status = 500
+    kind = "encode_failed"
+
+
+class EngineFailed(RequestError):
+    """The transfer engine returned an error code (502); ``engine_code`` is Mooncake's own."""
+
+    status = 502
+    kind = "engine_failed"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        req_id: str | None = None,
+        engine_code: int | None = None,
+        engine_call: EngineCall | None = None,
+    ) -> None:
+        super().__init__(message, req_id=req_id)
+        self.engine_code = engine_code
+        self.engine_call = engine_call
+
+    @classmethod
+    def from_engine_error(cls, error: EngineError, *, req_id: str | None) -> EngineFailed:
+        """The answer for an engine failure: its message, call and code."""
+        return cls(str(error), req_id=req_id, engine_code=error.code, engine_call=error.call)
+
+    @property
+    def engine_meaning(self) -> str | None:
+        """What Mooncake's code means, when there is one."""
+        return None if self.engine_code is None else engine_code_meaning(self.engine_code)
+
+
+class Overloaded(RequestError):
+    """The encoder queue is full; retry shortly (503)."""
+
+    status = 503
+    kind = "overloaded"
+    retry_after = 1
+
+
+class NotReady(RequestError):
+    """The server is still starting: the model or the engine is not up yet (503)."""
+
+    status = 503
+    kind = "not_ready"
+    retry_after = 5
+
+
+class ShuttingDown(RequestError):
+    """The server is stopping and cut the request short; retry on another server (503)."""
+
+    status = 503
+    kind = "shutting_down"
+    retry_after = 5
 
 
 class ScopeExpired(RequestError):
     """The request's backstop deadline fired while this call waited (504)."""
 
     status = 504
-
-
-class ShuttingDown(RequestError):
-    """The server is stopping and cut the request short (503)."""
-
-    status = 503
-
-
-class Overloaded(RequestError):
-    """The encoder queue is full, or the server is not ready (503)."""
-
-    status = 503
-
-
-class InternalError(RequestError):
-    """A bug inside the server ended this request (and only it); the traceback is logged (500)."""
-
-    status = 500
+    kind = "expired"
 
 
 class EncodeNotArrived(RequestError):
     """A metadata pull waited its whole bound and no ``/encode`` named the ``req_id`` (504)."""
 
     status = 504
+    kind = "not_arrived"
+
+
+ERRORS: tuple[type[RequestError], ...] = (
+    InternalError,
+    InvalidInput,
+    Unauthorized,
+    NoSuchRoute,
+    MethodNotAllowed,
+    TooLarge,
+    UnknownRequest,
+    ReceiveCountConflict,
+    RequestReleased,
+    EncodeFailed,
+    EngineFailed,
+    Overloaded,
+    NotReady,
+    ShuttingDown,
+    ScopeExpired,
+    EncodeNotArrived,
+)
+"""Every concrete error of the contract; the kinds are unique."""
+
+_BY_KIND: dict[str, type[RequestError]] = {cls.kind: cls for cls in ERRORS}
+
+
+def error_class(kind: str) -> type[RequestError] | None:
+    """The class whose ``kind`` this is; None for a kind this version does not know."""
+    return _BY_KIND.get(kind)

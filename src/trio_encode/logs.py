@@ -1,7 +1,9 @@
 """Structured log lines: one event per line, ``key=value`` or JSON, with ``req_id`` when known.
 
 Scopes and handlers log with ``extra={"req_id": ...}``; the formatters here put that id on
-every line about a request, so ``grep req_id=abc`` tells one request's whole story.
+every line about a request, so ``grep req_id=abc`` tells one request's whole story. Times are
+ISO-8601 in UTC with milliseconds (``2026-11-30T11:05:46.369Z``), in both formats, so lines
+from several hosts sort and compare without knowing their time zones.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from datetime import UTC, datetime
 from typing import IO, Any
 
 from trio_encode.settings import LogFormat
@@ -19,7 +22,7 @@ _STANDARD = frozenset(logging.makeLogRecord({}).__dict__) | {"message", "asctime
 
 def _fields(record: logging.LogRecord) -> dict[str, Any]:
     fields: dict[str, Any] = {
-        "ts": f"{record.created:.3f}",
+        "ts": _iso8601(record.created),
         "level": record.levelname,
         "logger": record.name,
         "msg": record.getMessage(),
@@ -48,6 +51,11 @@ class JsonFormatter(logging.Formatter):
         if record.exc_info:
             fields["exc"] = self.formatException(record.exc_info)
         return json.dumps(fields, default=str)
+
+
+def _iso8601(created: float) -> str:
+    moment = datetime.fromtimestamp(created, tz=UTC)
+    return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond // 1000:03d}Z"
 
 
 def _quote(value: object) -> str:

@@ -10,7 +10,9 @@ class LifecycleObserver(Protocol):
 
     def scope_opened(self, req_id: str) -> None: ...
 
-    def scope_closed(self, req_id: str, reason: str) -> None: ...
+    def scope_closed(self, req_id: str, reason: str, seconds: float) -> None:
+        """The scope has released everything, ``seconds`` after it opened."""
+        ...
 
     def registered(self, address: int, length: int) -> None: ...
 
@@ -33,7 +35,7 @@ class NullObserver:
     def scope_opened(self, req_id: str) -> None:
         pass
 
-    def scope_closed(self, req_id: str, reason: str) -> None:
+    def scope_closed(self, req_id: str, reason: str, seconds: float) -> None:
         pass
 
     def registered(self, address: int, length: int) -> None:

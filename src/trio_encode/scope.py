@@ -123,6 +123,7 @@ class RequestScope:
         self._register_lock = trio.Lock()
         self._attempts: dict[Receiver, _Attempt] = {}
         self._done: set[Receiver] = set()
+        self._bytes_sent = 0
 
     # -- what handlers call -----------------------------------------------------------------
 
@@ -230,6 +231,7 @@ class RequestScope:
         Never raises an :class:`Exception`: a bug inside one request ends that request (500,
         traceback logged), not the service nursery and every other request with it.
         """
+        opened_at = trio.current_time()
         self._observer.scope_opened(self.req_id)
         log.info("scope opened", extra={"req_id": self.req_id})
         try:
@@ -260,8 +262,18 @@ class RequestScope:
             self._encoded.set()
             with trio.CancelScope(shield=True):
                 await self._release()
-            self._observer.scope_closed(self.req_id, self.end_reason)
-            log.info("scope closed: %s", self.end_reason, extra={"req_id": self.req_id})
+            seconds = trio.current_time() - opened_at
+            self._observer.scope_closed(self.req_id, self.end_reason, seconds)
+            log.info(
+                "scope closed: %s",
+                self.end_reason,
+                extra={
+                    "req_id": self.req_id,
+                    "duration_s": round(seconds, 6),
+                    "bytes_sent": self._bytes_sent,
+                    "receivers": f"{len(self._done)}/{self.receive_count}",
+                },
+            )
             self._ended.set()
 
     async def _run_encode(self) -> None:
@@ -301,6 +313,7 @@ class RequestScope:
                 attempt.receiver.session_id, address, attempt.receiver.buffer_address, nbytes
             )
             attempt.succeeded = True
+            self._bytes_sent += nbytes
             self._observer.transfer_finished(self.req_id, nbytes, trio.current_time() - started)
             self._done.add(attempt.receiver)
             attempt.receivers_done = len(self._done)

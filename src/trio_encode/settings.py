@@ -44,6 +44,10 @@ class ServerSettings:
     encoder: EncoderSettings = field(default_factory=EncoderSettings)
     log_level: str = "INFO"
     log_format: LogFormat = "kv"
+    access_log: bool = True
+    """Log one line per answered HTTP request (method, path, status, duration, bytes)."""
+    engine_log_level: str = "ERROR"
+    """Least severe Mooncake log line shown (its ``MC_LOG_LEVEL``): INFO, WARNING or ERROR."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -3,21 +3,23 @@
 from trio_encode.client.http import (
     EncodeClient,
     EncodeResult,
-    RequestRejected,
     SendResult,
     TransferFailed,
     UnexpectedResponse,
     metric_value,
 )
 from trio_encode.client.receiver import ChecksumMismatch, LandingPool, LandingSlot, PoolExhausted
+from trio_encode.errors import EngineFailed, RequestError, RequestRejected
 
 __all__ = [
     "ChecksumMismatch",
     "EncodeClient",
     "EncodeResult",
+    "EngineFailed",
     "LandingPool",
     "LandingSlot",
     "PoolExhausted",
+    "RequestError",
     "RequestRejected",
     "SendResult",
     "TransferFailed",

@@ -1,62 +1,33 @@
 """An async client for the encode server's HTTP contract, for prefill ranks and tests.
 
 Answers come back as typed results; error answers as the same :mod:`trio_encode.errors`
-classes the server raised (so ``except RequestReleased`` reads the same on both sides), plus
-:class:`TransferFailed` for a 502 (carrying the engine's return code) and
-:class:`RequestRejected` for 401/413. Every error has ``status`` and the server's ``message``.
+classes the server raised, chosen by the body's machine-readable ``"error"`` kind (so
+``except RequestReleased`` reads the same on both sides, and nothing parses the prose). Every
+error has ``status``, ``kind`` and the server's ``message``; an :class:`EngineFailed` also has
+the engine's ``engine_code``, and a 503 the server's ``Retry-After`` as ``retry_after``.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
 import httpx
 
-from trio_encode.errors import (
-    EncodeFailed,
-    InvalidInput,
-    Overloaded,
-    ReceiveCountConflict,
-    RequestError,
-    RequestReleased,
-    ScopeExpired,
-    ShuttingDown,
-    UnknownRequest,
-)
+from trio_encode.engine.base import EngineCall
+from trio_encode.errors import EngineFailed, RequestError, error_class
 
-_ERRORS: dict[int, type[RequestError]] = {
-    cls.status: cls
-    for cls in (
-        InvalidInput,
-        UnknownRequest,
-        ReceiveCountConflict,
-        RequestReleased,
-        EncodeFailed,
-        ScopeExpired,
-    )
-}
-_ENGINE_CODE = re.compile(r"failed with code (-?\d+)")
+TransferFailed = EngineFailed
+"""The name earlier versions of this client gave to :class:`EngineFailed`."""
 
-
-class TransferFailed(RequestError):
-    """502: the server's transfer engine refused (``code`` is the engine's return code)."""
-
-    status = 502
-
-    def __init__(self, message: str, *, req_id: str | None = None, code: int | None) -> None:
-        super().__init__(message, req_id=req_id)
-        self.code = code
-
-
-class RequestRejected(RequestError):
-    """401 (bad or missing token) or 413 (body too large): the request was not looked at."""
+_ENGINE_CALLS: tuple[EngineCall, ...] = ("initialize", "register", "deregister", "transfer")
 
 
 class UnexpectedResponse(RequestError):
     """A status or body that the contract does not describe."""
+
+    kind = "unexpected_response"
 
 
 @dataclass(frozen=True)
@@ -195,23 +166,40 @@ def answer_of(response: httpx.Response) -> dict[str, Any]:
         raise UnexpectedResponse(
             f"HTTP {response.status_code} with a body outside the contract: {response.text[:200]!r}"
         )
-    raise error_of(response.status_code, str(data.get("message")), data.get("req_id"))
+    raise error_of(response.status_code, data, response.headers)
 
 
-def error_of(status: int, message: str, req_id: str | None) -> RequestError:
-    """The exception for an error answer; ``status`` is set on it."""
+def error_of(
+    status: int, data: dict[str, Any], headers: httpx.Headers | None = None
+) -> RequestError:
+    """The exception for an error answer, by its ``"error"`` kind; ``status`` is the one
+    answered and ``retry_after`` the server's ``Retry-After``, when it sent one."""
+    message = str(data.get("message"))
+    req_id = data.get("req_id")
+    req_id = req_id if isinstance(req_id, str) else None
+    kind = data.get("error")
+    cls = error_class(kind) if isinstance(kind, str) else None
     error: RequestError
-    if status == 502:
-        match = _ENGINE_CODE.search(message)
-        error = TransferFailed(message, req_id=req_id, code=int(match[1]) if match else None)
-    elif status in (401, 413):
-        error = RequestRejected(message, req_id=req_id)
-    elif status == 503:
-        cls = ShuttingDown if "shutting down" in message or "stop" in message else Overloaded
-        error = cls(message, req_id=req_id)
+    if cls is None:
+        error = UnexpectedResponse(
+            f"HTTP {status} with error kind {kind!r}, unknown to this client: {message}",
+            req_id=req_id,
+        )
+    elif issubclass(cls, EngineFailed):
+        code = data.get("engine_code")
+        call = next((c for c in _ENGINE_CALLS if c == data.get("engine_call")), None)
+        error = cls(
+            message,
+            req_id=req_id,
+            engine_code=code if isinstance(code, int) else None,
+            engine_call=call,
+        )
     else:
-        error = _ERRORS.get(status, UnexpectedResponse)(message, req_id=req_id)
-    error.status = status  # the status actually answered (401 and 413 share a class)
+        error = cls(message, req_id=req_id)
+    error.status = status
+    retry_after = headers.get("Retry-After") if headers is not None else None
+    if retry_after is not None and retry_after.isdigit():
+        error.retry_after = int(retry_after)
     return error
 
 

@@ -32,7 +32,14 @@ from trio_encode.encoder.fetch import FetchPolicy, RemoteFetcher, is_remote
 from trio_encode.encoder.images import decode_image, load_item
 from trio_encode.encoder.observer import EncoderObserver, NullEncoderObserver
 from trio_encode.encoder.settings import EncoderSettings
-from trio_encode.errors import EncodeFailed, InvalidInput, Overloaded, RequestError, ShuttingDown
+from trio_encode.errors import (
+    EncodeFailed,
+    InvalidInput,
+    NotReady,
+    Overloaded,
+    RequestError,
+    ShuttingDown,
+)
 
 log = logging.getLogger(__name__)
 
@@ -351,7 +358,7 @@ class ImageEncoder:
     def _not_running(self) -> RequestError:
         if self._stopped:
             return ShuttingDown("the encoder has stopped")
-        return Overloaded("the encoder is not ready yet")
+        return NotReady("the encoder is not ready yet")
 
     # -- the batching task -------------------------------------------------------------------
 

@@ -2,32 +2,51 @@
 
 ``transformers`` is imported only here and only when such a model is asked for, so the server
 runs without it. Nothing is ever downloaded: the directory must hold the config and weights.
-Preprocessing (size, mean, std, crop) comes from the model's own files, not from guesses.
+Images are preprocessed by ``transformers``' own image processor for the model, read from the
+directory's ``preprocessor_config.json``: resampling, shortest edge, crop, rescale factor, mean
+and std are then exactly those the model was trained with, and no rule is restated here.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from PIL import Image
 
 from trio_encode.encoder.images import Preprocess
 from trio_encode.encoder.model import TORCH_DTYPES
 from trio_encode.encoder.settings import EncoderSettings
 
-_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
-_HALF = (0.5, 0.5, 0.5)
-# model_type -> (transformers class, whether the first token is a CLS token to drop, and the
-# mean, std and centre-crop to use when the directory has no preprocessor_config.json).
-_KINDS: dict[str, tuple[str, bool, tuple[float, ...], tuple[float, ...], bool]] = {
-    "clip": ("CLIPVisionModel", True, _CLIP_MEAN, _CLIP_STD, True),
-    "clip_vision_model": ("CLIPVisionModel", True, _CLIP_MEAN, _CLIP_STD, True),
-    "siglip": ("SiglipVisionModel", False, _HALF, _HALF, False),
-    "siglip_vision_model": ("SiglipVisionModel", False, _HALF, _HALF, False),
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Kind:
+    """What differs between the supported towers."""
+
+    model_class: str
+    drops_cls: bool
+    """Whether the first output token is a CLS token (not an image token) to drop."""
+    processor_class: str
+    """The processor for a directory without ``preprocessor_config.json``."""
+    crops: bool
+    """Whether that processor resizes the short side and centre-crops (else: to a square)."""
+
+
+_CLIP = _Kind("CLIPVisionModel", True, "CLIPImageProcessor", crops=True)
+_SIGLIP = _Kind("SiglipVisionModel", False, "SiglipImageProcessor", crops=False)
+_KINDS = {
+    "clip": _CLIP,
+    "clip_vision_model": _CLIP,
+    "siglip": _SIGLIP,
+    "siglip_vision_model": _SIGLIP,
 }
+_PROCESSOR_CONFIG = "preprocessor_config.json"
 
 
 def _transformers() -> Any:
@@ -52,14 +71,6 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def _triple(values: Any, default: tuple[float, ...]) -> tuple[float, float, float]:
-    seq = default if values is None else values
-    if isinstance(seq, int | float):
-        seq = (seq, seq, seq)
-    a, b, c = (float(v) for v in seq)
-    return (a, b, c)
-
-
 class HFVisionBackend:
     """A CLIP/SigLIP vision model behind the forward interface the batcher uses: normalised
     pixels ``(B, 3, S, S)`` -> patch-token features ``(B, tokens, hidden)``."""
@@ -76,8 +87,8 @@ class HFVisionBackend:
             raise ValueError(
                 f"{model_dir} holds a {model_type or 'untyped'} model; supported: {supported}"
             )
-        class_name, has_cls, mean, std, crop = _KINDS[model_type]
-        model_class = getattr(transformers, class_name)
+        kind = _KINDS[model_type]
+        model_class = getattr(transformers, kind.model_class)
         self.module = (
             model_class.from_pretrained(str(model_dir), local_files_only=True)
             .to(TORCH_DTYPES[settings.dtype])
@@ -86,11 +97,14 @@ class HFVisionBackend:
         )
         vision = self.module.config
         self.dtype = TORCH_DTYPES[settings.dtype]
-        self._drop_cls = has_cls
+        self._drop_cls = kind.drops_cls
         self._feature_layer = settings.hf_feature_layer
         self.tokens_per_image = (int(vision.image_size) // int(vision.patch_size)) ** 2
         self.hidden_size = int(vision.hidden_size)
-        self.preprocess = _preprocess(model_dir, int(vision.image_size), mean, std, crop)
+        side = int(vision.image_size)
+        prepare = _ProcessorPrepare(_image_processor(transformers, model_dir, kind, side))
+        _check_output_size(prepare, side, model_dir)
+        self.preprocess = Preprocess(image_size=side, prepare=prepare)
         self.model_id = (
             f"hf({model_dir.resolve()},{model_type},layer={settings.hf_feature_layer},"
             f"{settings.dtype})"
@@ -112,18 +126,45 @@ class HFVisionBackend:
             return result
 
 
-def _preprocess(
-    model_dir: Path,
-    image_size: int,
-    mean: tuple[float, ...],
-    std: tuple[float, ...],
-    crop: bool,
-) -> Preprocess:
-    path = model_dir / "preprocessor_config.json"
-    processor = _read_json(path) if path.exists() else {}
-    return Preprocess(
-        image_size=image_size,
-        mean=_triple(processor.get("image_mean"), mean),
-        std=_triple(processor.get("image_std"), std),
-        center_crop=bool(processor.get("do_center_crop", crop)),
+def _image_processor(transformers: Any, model_dir: Path, kind: _Kind, image_size: int) -> Any:
+    """The model's own image processor; for a directory without one (a model saved without
+    its processor), the model type's processor at its defaults, sized to the model."""
+    if (model_dir / _PROCESSOR_CONFIG).exists():
+        return transformers.AutoImageProcessor.from_pretrained(
+            str(model_dir), local_files_only=True
+        )
+    log.warning(
+        "%s has no %s: preprocessing with %s's defaults at %d px",
+        model_dir,
+        _PROCESSOR_CONFIG,
+        kind.processor_class,
+        image_size,
     )
+    processor_class = getattr(transformers, kind.processor_class)
+    if kind.crops:
+        return processor_class(
+            size={"shortest_edge": image_size},
+            crop_size={"height": image_size, "width": image_size},
+        )
+    return processor_class(size={"height": image_size, "width": image_size})
+
+
+class _ProcessorPrepare:
+    """An upright RGB image -> ``(3, S, S)`` float32 pixels, by a transformers processor."""
+
+    def __init__(self, processor: Any) -> None:
+        self.processor = processor
+
+    def __call__(self, image: Image.Image) -> torch.Tensor:
+        pixels: torch.Tensor = self.processor(images=image, return_tensors="pt")["pixel_values"]
+        return pixels[0].to(torch.float32).contiguous()
+
+
+def _check_output_size(prepare: _ProcessorPrepare, side: int, model_dir: Path) -> None:
+    """A processor whose output the model cannot take is refused at load, not per request."""
+    shape = tuple(prepare(Image.new("RGB", (side + 7, side + 3))).shape)
+    if shape != (3, side, side):
+        raise ValueError(
+            f"{model_dir / _PROCESSOR_CONFIG} makes {shape} pixels; the model takes "
+            f"(3, {side}, {side})"
+        )

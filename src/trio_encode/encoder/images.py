@@ -1,8 +1,9 @@
 """From an ``mm_items`` string to image bytes, and from bytes to normalised pixels.
 
 Everything a client sends is untrusted: sizes are checked before any buffer is decoded, only
-PNG and JPEG decoders are ever run, and every failure becomes an :class:`InvalidInput` whose
-message says what to change.
+the decoders of the formats below are ever run (Pillow's others, with their larger attack
+surface, never see client bytes), and every failure becomes an :class:`InvalidInput` whose
+message says what to change. An animated GIF or WebP contributes its first frame.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,32 +21,47 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from trio_encode.errors import InvalidInput
 
-# The media types a data URI may carry, and the Pillow decoders each one allows.
-_DATA_URI_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/jpg": "JPEG"}
-_FILE_SUFFIXES = {".png", ".jpg", ".jpeg"}
-_FORMATS = ("PNG", "JPEG")
+# The media types a data URI may carry, and the Pillow decoder each one names.
+_DATA_URI_TYPES = {
+    "image/png": "PNG",
+    "image/jpeg": "JPEG",
+    "image/jpg": "JPEG",
+    "image/webp": "WEBP",
+    "image/gif": "GIF",
+    "image/bmp": "BMP",
+}
+_FILE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp"}
+# Whatever the URI's media type says, only these decoders run, each sniffing its own magic.
+_FORMATS = tuple(dict.fromkeys(_DATA_URI_TYPES.values()))
+_FORMAT_NAMES = "PNG, JPEG, WebP, GIF or BMP"
 
 
 @dataclass(frozen=True)
 class Preprocess:
     """How a model wants its pixels: square side, per-channel mean and std, and whether to
-    resize the short side and centre-crop (CLIP) or resize straight to a square."""
+    resize the short side and centre-crop (CLIP) or resize straight to a square.
+
+    ``prepare``, when set, replaces all of that: it turns the decoded, upright RGB image into
+    the ``(3, image_size, image_size)`` float32 tensor itself (a Hugging Face model's own
+    image processor, so its inputs are exactly those it was trained on)."""
 
     image_size: int
     mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
     std: tuple[float, float, float] = (0.5, 0.5, 0.5)
     center_crop: bool = False
+    prepare: Callable[[Image.Image], torch.Tensor] | None = None
 
 
 def load_item(item: str, *, max_bytes: int, media_dir: Path | None = None) -> bytes:
-    """The encoded bytes of one ``mm_items`` entry: a PNG/JPEG data URI, or a file path that
+    """The encoded bytes of one ``mm_items`` entry: an image data URI, or a file path that
     lies inside ``media_dir`` (paths are refused when no ``media_dir`` is configured)."""
     if item.startswith("data:"):
         return _from_data_uri(item, max_bytes)
     if media_dir is None:
         raise InvalidInput(
-            "mm_items entries must be data:image/png;base64,... or data:image/jpeg;base64,... "
-            "URIs (this server has no media directory, so file paths are not accepted)"
+            "mm_items entries must be data:image/...;base64,... URIs of a "
+            f"{_FORMAT_NAMES} image (this server has no media directory, so file paths are "
+            "not accepted)"
         )
     return _from_media_dir(item, media_dir, max_bytes)
 
@@ -56,8 +73,9 @@ def _from_data_uri(item: str, max_bytes: int) -> bytes:
     media_type, _, encoding = header.removeprefix("data:").partition(";")
     media_type = media_type.strip().lower()
     if media_type not in _DATA_URI_TYPES:
+        supported = ", ".join(sorted(_DATA_URI_TYPES))
         raise InvalidInput(
-            f"unsupported image type {media_type or '(none)'!r}: send image/png or image/jpeg"
+            f"unsupported image type {media_type or '(none)'!r}: send one of {supported}"
         )
     if encoding.strip().lower() != "base64":
         raise InvalidInput("image data URIs must be base64-encoded (data:image/png;base64,...)")
@@ -84,7 +102,8 @@ def _from_media_dir(item: str, media_dir: Path, max_bytes: int) -> bytes:
     if not path.is_relative_to(root):
         raise InvalidInput(f"image path {item!r} lies outside the media directory")
     if path.suffix.lower() not in _FILE_SUFFIXES:
-        raise InvalidInput(f"image file {item!r} must be .png, .jpg or .jpeg")
+        suffixes = ", ".join(sorted(_FILE_SUFFIXES))
+        raise InvalidInput(f"image file {item!r} must end in one of {suffixes}")
     try:
         with path.open("rb") as file:
             data = file.read(max_bytes + 1)
@@ -101,7 +120,7 @@ def _too_big(size: int, max_bytes: int, *, at_least: bool = False) -> str:
 
 
 def decode_image(data: bytes, preprocess: Preprocess, *, max_pixels: int) -> torch.Tensor:
-    """Decode PNG/JPEG bytes to a normalised float32 ``(3, S, S)`` tensor.
+    """Decode image bytes to a normalised float32 ``(3, S, S)`` tensor.
 
     The pixel count is checked from the header, before the image is decoded, so a small file
     that declares huge dimensions costs nothing. Blocking: call it from a worker thread.
@@ -109,10 +128,10 @@ def decode_image(data: bytes, preprocess: Preprocess, *, max_pixels: int) -> tor
     try:
         image = Image.open(io.BytesIO(data), formats=_FORMATS)
     except UnidentifiedImageError:
-        raise InvalidInput("the data is not a PNG or JPEG image") from None
+        raise InvalidInput(f"the data is not a {_FORMAT_NAMES} image") from None
     except (Image.DecompressionBombError, Image.DecompressionBombWarning):
         raise InvalidInput(_bomb(None, max_pixels)) from None
-    except (OSError, SyntaxError, ValueError) as exc:
+    except (OSError, SyntaxError, ValueError, EOFError) as exc:
         raise InvalidInput(f"the image header cannot be read: {exc}") from None
     with image:
         width, height = image.size
@@ -121,15 +140,19 @@ def decode_image(data: bytes, preprocess: Preprocess, *, max_pixels: int) -> tor
         if width * height > max_pixels:
             raise InvalidInput(_bomb((width, height), max_pixels))
         try:
-            # JPEG can decode at 1/2..1/8 scale directly; never below the size we need.
-            image.draft("RGB", (preprocess.image_size, preprocess.image_size))
+            if preprocess.prepare is None:
+                # JPEG can decode at 1/2..1/8 scale directly, never below the size we need; a
+                # model's own processor gets the full image, as it would in transformers.
+                image.draft("RGB", (preprocess.image_size, preprocess.image_size))
             # Cameras store rotation in EXIF; the model must see the photo upright.
             ImageOps.exif_transpose(image, in_place=True)
             rgb = image.convert("RGB")
         except (Image.DecompressionBombError, Image.DecompressionBombWarning):
             raise InvalidInput(_bomb((width, height), max_pixels)) from None
-        except (OSError, SyntaxError, ValueError) as exc:
+        except (OSError, SyntaxError, ValueError, EOFError) as exc:
             raise InvalidInput(f"the image is corrupt or truncated: {exc}") from None
+    if preprocess.prepare is not None:
+        return preprocess.prepare(rgb)
     return _normalise(_resize(rgb, preprocess), preprocess)
 
 

@@ -2,16 +2,20 @@
 
 from trio_encode.engine.base import (
     ADDRESS_OVERLAPPED,
+    ENGINE_CODE_MEANINGS,
     INVALID_ADDRESS,
     TRANSFER_FAILED,
     EngineError,
     TransferEngine,
+    engine_code_meaning,
 )
 
 __all__ = [
     "ADDRESS_OVERLAPPED",
+    "ENGINE_CODE_MEANINGS",
     "INVALID_ADDRESS",
     "TRANSFER_FAILED",
     "EngineError",
     "TransferEngine",
+    "engine_code_meaning",
 ]

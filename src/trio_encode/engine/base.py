@@ -17,6 +17,38 @@ ADDRESS_OVERLAPPED = -7
 
 EngineCall = Literal["initialize", "register", "deregister", "transfer"]
 
+# What each of Mooncake's return codes means and what usually fixes it (its error.h, plus what
+# the Python binding does with it), so an operator reading a 502 need not look it up.
+ENGINE_CODE_MEANINGS: dict[int, str] = {
+    TRANSFER_FAILED: (
+        "invalid argument or failed transfer: the receiver's engine is unreachable, or the "
+        "remote address is not inside a buffer the receiver registered"
+    ),
+    -2: "too many requests: the engine's transfer queue is full; retry later",
+    INVALID_ADDRESS: "address not registered: no registration starts at this address",
+    -4: "batch busy: the transfer batch still has work in flight",
+    -6: "device not found: the configured RDMA device does not exist on this host",
+    ADDRESS_OVERLAPPED: "address overlapped: the range overlaps a live registration",
+    -101: "DNS failure: the peer's host name cannot be resolved",
+    -102: "socket error: a connection to the peer could not be made or was lost",
+    -103: "malformed JSON in the peer's handshake or metadata",
+    -104: "the peer rejected the handshake",
+    -200: "metadata error: the metadata server is unreachable or lacks the entry",
+    -201: "endpoint error: the connection to the peer could not be set up",
+    -202: "context error: the RDMA device context could not be set up",
+    -203: "endpoint not found: the peer's endpoint is unknown",
+    -204: "endpoint id mismatch: the peer restarted; its session is new",
+    -300: "NUMA error: memory locality could not be determined",
+    -301: "clock error",
+    -302: "out of memory",
+    -303: "not implemented by this engine or protocol",
+}
+
+
+def engine_code_meaning(code: int) -> str:
+    """What Mooncake's return ``code`` means, in words an operator can act on."""
+    return ENGINE_CODE_MEANINGS.get(code, "an error code this server does not know")
+
 
 class EngineError(Exception):
     """A transfer-engine call returned an error code.

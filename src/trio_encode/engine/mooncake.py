@@ -10,6 +10,9 @@ to finish, and sees the cancellation at its next checkpoint.
 from __future__ import annotations
 
 import importlib
+import logging
+import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,12 +21,32 @@ import trio
 from trio_encode.engine.base import EngineError
 from trio_encode.engine.threads import EngineThreads, ThreadSettings
 
+log = logging.getLogger(__name__)
+
+ENGINE_LOG_LEVELS = ("INFO", "WARNING", "ERROR")
+"""The levels Mooncake's ``MC_LOG_LEVEL`` understands (it ignores any other value)."""
 _INSTALL_HINT = (
     "the Mooncake transfer engine is not usable: {error}. Install it with "
     "`pip install 'trio-encode[mooncake]'` (or `trio-encode[mooncake-cuda]` on CUDA hosts); "
     "it also needs the system library libibverbs.so.1, even for TCP "
     "(Debian/Ubuntu: `apt-get install -y libibverbs1`)."
 )
+
+
+def set_engine_log_level(level: str) -> None:
+    """Make Mooncake log only at ``level`` and above (its ``MC_LOG_LEVEL``).
+
+    Mooncake reads the variable once, when its module is imported, so this must run before
+    the first engine is created; afterwards it cannot take effect, and says so.
+    """
+    level = level.upper()
+    if level not in ENGINE_LOG_LEVELS:
+        raise ValueError(
+            f"engine log level must be one of {', '.join(ENGINE_LOG_LEVELS)}, got {level!r}"
+        )
+    if "mooncake.engine" in sys.modules and os.environ.get("MC_LOG_LEVEL") != level:
+        log.warning("Mooncake is already loaded: its log level stays as it was, not %s", level)
+    os.environ["MC_LOG_LEVEL"] = level
 
 
 def _load_mooncake_engine_class() -> Any:

@@ -5,9 +5,11 @@ A handler parses its body, calls the service, and maps the result; failures are 
 handler cancelled by a disconnecting client leaves only what the service decides to keep.
 
 Auth: when a token is set, ``/encode``, ``/send`` and ``/scheduler_receive_meta_data`` need
-``Authorization: Bearer <token>``.
-``/health`` and ``/metrics`` stay open, because probes and scrapers rarely carry secrets and
-neither route reveals request data or changes state.
+``Authorization: Bearer <token>``. The probes and ``/metrics`` stay open, because probes and
+scrapers rarely carry secrets and none of them reveals request data or changes state.
+
+Every answer is counted and timed by route; with ``access_log`` on, it is also logged as one
+line on the ``trio_encode.access`` logger.
 """
 
 from __future__ import annotations
@@ -16,11 +18,13 @@ import hmac
 import logging
 from typing import Any
 
+import trio
 from quart import Response, g, jsonify, request
 from quart_trio import QuartTrio
 
+from trio_encode.errors import NotReady, ShuttingDown
 from trio_encode.request_types import Receiver
-from trio_encode.server.errors import error_response, install_error_handlers
+from trio_encode.server.errors import error_response, install_error_handlers, unauthorized
 from trio_encode.server.metrics import Metrics
 from trio_encode.server.schemas import (
     EncodeRequest,
@@ -36,7 +40,7 @@ from trio_encode.settings import ServerSettings
 
 _PROTECTED = frozenset({"/encode", "/send", "/scheduler_receive_meta_data"})
 
-log = logging.getLogger(__name__)
+access_log = logging.getLogger("trio_encode.access")
 
 
 def create_app(service: EncodeService, metrics: Metrics, settings: ServerSettings) -> Any:
@@ -48,18 +52,32 @@ def create_app(service: EncodeService, metrics: Metrics, settings: ServerSetting
 
     @app.before_request
     async def check_token() -> Response | None:
+        g.arrived = trio.current_time()
         if expected is None or request.path not in _PROTECTED:
             return None
         given = request.headers.get("Authorization", "").encode()
         if hmac.compare_digest(given, expected):
             return None
-        return error_response(401, "missing or wrong bearer token (Authorization: Bearer ...)")
+        return unauthorized()
 
     @app.after_request
     async def count(response: Response) -> Response:
         route = request.url_rule.rule if request.url_rule is not None else "other"
-        metrics.request_answered(route, response.status_code)
-        log.debug("%s answered %d", route, response.status_code, extra={"req_id": g.get("req_id")})
+        # A request Quart refused before any before_request ran has no arrival time: 0 s.
+        seconds = trio.current_time() - g.get("arrived", trio.current_time())
+        metrics.request_answered(route, response.status_code, seconds)
+        if settings.access_log:
+            access_log.info(
+                "answered",
+                extra={
+                    "method": request.method,
+                    "path": request.path,
+                    "status": response.status_code,
+                    "duration_ms": round(seconds * 1000, 3),
+                    "bytes": response.content_length or 0,
+                    "req_id": g.get("req_id"),
+                },
+            )
         return response
 
     @app.post("/encode")
@@ -90,11 +108,29 @@ def create_app(service: EncodeService, metrics: Metrics, settings: ServerSetting
         report = await service.send(body.req_id, receiver, receive_count=body.receive_count)
         return jsonify(send_answer(body.req_id, report))
 
+    def not_ready() -> Response | None:
+        """The 503 answer while the service cannot take requests; None when it can."""
+        if service.registry.closed:
+            return error_response(ShuttingDown("not ready: shutting down"))
+        if not service.ready:
+            return error_response(NotReady("not ready: the encoder is not loaded yet"))
+        return None
+
+    @app.get("/livez")
+    async def livez() -> Response:
+        # Answering at all proves the process and its event loop are alive: nothing else is
+        # checked, so draining or loading never gets the process restarted.
+        return jsonify({"status": "ok"})
+
+    @app.get("/readyz")
+    async def readyz() -> Response:
+        return not_ready() or jsonify({"status": "ok"})
+
     @app.get("/health")
     async def health() -> Response:
-        if not service.ready:
-            why = "shutting down" if service.registry.closed else "the encoder is not loaded yet"
-            return error_response(503, f"not ready: {why}")
+        refusal = not_ready()
+        if refusal is not None:
+            return refusal
         return jsonify(
             {
                 "status": "ok",

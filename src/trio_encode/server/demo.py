@@ -72,8 +72,9 @@ def demo_image(seed: int, side: int = 224) -> str:
 
 
 async def run_demo(settings: ServerSettings, requests: int, images: int, tp: int) -> DemoOutcome:
-    from trio_encode.engine.mooncake import MooncakeEngine
+    from trio_encode.engine.mooncake import MooncakeEngine, set_engine_log_level
 
+    set_engine_log_level(settings.engine_log_level)
     outcome = DemoOutcome(requests, tp)
     metrics = Metrics()
     engine = await MooncakeEngine.create(settings.engine)

@@ -1,8 +1,10 @@
 """The one place where failures become HTTP answers of the contract's error shape.
 
-``{"status": "error", "message": ..., "req_id": ...}`` for every 4xx and 5xx, whatever raised
-it: a service error, an engine error, Quart itself (404 route, 405, 413), or a bug. A bug is
+``{"status": "error", "error": kind, "message": ..., "req_id": ...}`` for every 4xx and 5xx,
+whatever raised it: a service error, an engine error (which adds ``engine_call``,
+``engine_code`` and ``engine_meaning``), Quart itself (404 route, 405, 413), or a bug. A bug is
 answered with a generic 500 and logged with its traceback here, never sent to the client.
+A 503 carries ``Retry-After``; a 401 carries ``WWW-Authenticate: Bearer``.
 """
 
 from __future__ import annotations
@@ -14,46 +16,83 @@ from quart import Response, g, jsonify
 from werkzeug.exceptions import HTTPException
 
 from trio_encode.engine import EngineError
-from trio_encode.errors import RequestError
+from trio_encode.errors import (
+    EngineFailed,
+    InternalError,
+    InvalidInput,
+    MethodNotAllowed,
+    NoSuchRoute,
+    RequestError,
+    TooLarge,
+    Unauthorized,
+)
 
 log = logging.getLogger(__name__)
 
-_HTTP_MESSAGES = {
-    401: "missing or wrong bearer token",
-    404: "no such route",
-    405: "method not allowed on this route",
-    413: "the request body is larger than this server accepts",
+# Failures Quart detects before a handler runs, with the message each answer carries.
+_HTTP_ERRORS: dict[int, tuple[type[RequestError], str]] = {
+    400: (InvalidInput, "the request cannot be read"),
+    401: (Unauthorized, "missing or wrong bearer token (Authorization: Bearer ...)"),
+    404: (NoSuchRoute, "no such route"),
+    405: (MethodNotAllowed, "method not allowed on this route"),
+    413: (TooLarge, "the request body is larger than this server accepts"),
 }
 
 
-def error_response(status: int, message: str, req_id: str | None = None) -> Response:
-    response: Response = jsonify({"status": "error", "message": message, "req_id": req_id})
-    response.status_code = status
+def error_response(error: RequestError) -> Response:
+    """The contract's answer for ``error``: its status, kind, message and headers."""
+    body: dict[str, Any] = {
+        "status": "error",
+        "error": error.kind,
+        "message": error.message,
+        "req_id": error.req_id,
+    }
+    if isinstance(error, EngineFailed):
+        body["engine_call"] = error.engine_call
+        body["engine_code"] = error.engine_code
+        body["engine_meaning"] = error.engine_meaning
+    response: Response = jsonify(body)
+    response.status_code = error.status
+    if error.retry_after is not None:
+        response.headers["Retry-After"] = str(error.retry_after)
+    if error.status == 401:
+        response.headers["WWW-Authenticate"] = "Bearer"
     return response
+
+
+def unauthorized() -> Response:
+    """The answer to a protected route called without the right token."""
+    return error_response(Unauthorized(_HTTP_ERRORS[401][1]))
 
 
 def install_error_handlers(app: Any) -> None:
     """Register the handlers that turn every exception into a contract error answer."""
 
     async def request_error(exc: RequestError) -> Response:
-        status = exc.status
-        req_id = exc.req_id or _current_req_id()
-        if status >= 500:
-            log.warning("%d: %s", status, exc.message, extra={"req_id": req_id})
-        return error_response(status, exc.message, req_id)
+        if exc.req_id is None:
+            exc.req_id = _current_req_id()
+        if exc.status >= 500:
+            log.warning(
+                "%d %s: %s", exc.status, exc.kind, exc.message, extra={"req_id": exc.req_id}
+            )
+        return error_response(exc)
 
     async def engine_error(exc: EngineError) -> Response:
-        # The scope already logged and counted it; the message names the engine's code.
-        return error_response(502, str(exc), _current_req_id())
+        # The scope already logged and counted it.
+        return error_response(EngineFailed.from_engine_error(exc, req_id=_current_req_id()))
 
     async def http_error(exc: HTTPException) -> Response:
         status = exc.code or 500
-        return error_response(status, _HTTP_MESSAGES.get(status, exc.name), None)
+        cls, message = _HTTP_ERRORS.get(status, (InternalError, exc.name))
+        error = cls(message)
+        error.status = status  # Quart's own status, also for one this table does not name
+        return error_response(error)
 
     async def unexpected(exc: Exception) -> Response:
-        log.error("unexpected error", exc_info=exc, extra={"req_id": _current_req_id()})
+        req_id = _current_req_id()
+        log.error("unexpected error", exc_info=exc, extra={"req_id": req_id})
         return error_response(
-            500, "internal server error (logged on the server)", _current_req_id()
+            InternalError("internal server error (logged on the server)", req_id=req_id)
         )
 
     # Quart picks the most specific class, so the catch-all only sees what nothing else maps.

@@ -1,15 +1,19 @@
 """Prometheus metrics, fed by lifecycle events and by the HTTP layer.
 
 The metrics live in their own :class:`CollectorRegistry` so that several servers in one process
-(tests, the demo) never share or clash over counters. The two "live" gauges are read from the
-service itself at scrape time rather than counted from events: a registration the ledger lost
-track of would then still show, which is the leak this gauge exists to reveal.
+(tests, the demo) never share or clash over counters. The two "live" gauges and the encoder's
+queue depth are read from the service itself at scrape time rather than counted from events: a
+registration the ledger lost track of would then still show, which is the leak this gauge
+exists to reveal. Counters carry no ``*_created`` series: they double the exposition and no
+dashboard of this server reads them.
 """
 
 from __future__ import annotations
 
+import platform
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from importlib import metadata
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import trio
 from prometheus_client import (
@@ -17,7 +21,12 @@ from prometheus_client import (
     CollectorRegistry,
     Counter,
     Gauge,
+    GCCollector,
     Histogram,
+    Info,
+    PlatformCollector,
+    ProcessCollector,
+    disable_created_metrics,
     generate_latest,
 )
 
@@ -27,9 +36,45 @@ if TYPE_CHECKING:
 
 PREFIX = "trio_encode_"
 
-# Encoder runs take tens of ms to seconds; transfers of MB-scale embeddings, ms.
+# Encoder runs take tens of ms to seconds; transfers of MB-scale embeddings, ms; an HTTP answer
+# from a fraction of a ms (probes) to a whole request's life (a /send waiting for its encode);
+# a scope from one encode and transfer to its backstop deadline (minutes).
 _ENCODE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5, 30)
+_REQUEST_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_SCOPE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 180, 600)
+
+disable_created_metrics()  # type: ignore[no-untyped-call]
+
+# Distributions whose version build_info reports, by the name it reports them under. Mooncake
+# ships as one of two distributions that provide the same module.
+_VERSIONED = {
+    "version": ("trio-encode",),
+    "torch": ("torch",),
+    "mooncake": ("mooncake-transfer-engine", "mooncake-transfer-engine-non-cuda"),
+}
+
+
+def build_versions() -> dict[str, str]:
+    """The versions ``trio_encode_build_info`` reports; ``none`` for what is not installed."""
+    versions = {"python": platform.python_version()}
+    for label, distributions in _VERSIONED.items():
+        versions[label] = "none"
+        for name in distributions:
+            try:
+                versions[label] = metadata.version(name)
+                break
+            except metadata.PackageNotFoundError:
+                continue
+    return versions
+
+
+@runtime_checkable
+class QueueDepth(Protocol):
+    """An encoder that can say how many images wait for a forward pass."""
+
+    @property
+    def queued_images(self) -> int: ...
 
 
 class Metrics:
@@ -41,8 +86,37 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        ProcessCollector(registry=r)
+        GCCollector(registry=r)
+        PlatformCollector(registry=r)
+        Info(PREFIX + "build", "Versions of this server and its engines.", registry=r).info(
+            build_versions()
+        )
         self.requests = Counter(
             PREFIX + "requests_total", "Answered HTTP requests.", ["route", "status"], registry=r
+        )
+        self.request_seconds = Histogram(
+            PREFIX + "request_seconds",
+            "Time from a request's arrival to its answer, by route.",
+            ["route"],
+            buckets=_REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.scope_seconds = Histogram(
+            PREFIX + "scope_seconds",
+            "A request scope's life, from its first /encode to its release, by how it ended.",
+            ["reason"],
+            buckets=_SCOPE_BUCKETS,
+            registry=r,
+        )
+        self.encoder_queue = Gauge(
+            PREFIX + "encoder_queue_images",
+            "Images waiting for a forward pass now.",
+            registry=r,
+        )
+        self._queue_depth: QueueDepth | None = None
+        self.encoder_queue.set_function(
+            lambda: self._queue_depth.queued_images if self._queue_depth is not None else 0
         )
         self.encode_seconds = Histogram(
             PREFIX + "encode_seconds", "One encoder run.", buckets=_ENCODE_BUCKETS, registry=r
@@ -141,11 +215,15 @@ class Metrics:
         """The Prometheus text exposition of every metric."""
         return generate_latest(self.registry)
 
-    def request_answered(self, route: str, status: int) -> None:
+    def request_answered(self, route: str, status: int, seconds: float) -> None:
         self.requests.labels(route=route, status=str(status)).inc()
+        self.request_seconds.labels(route=route).observe(seconds)
 
     def timed(self, encoder: Encoder) -> Encoder:
-        """``encoder`` with every run timed into ``encode_seconds``."""
+        """``encoder`` with every run timed into ``encode_seconds``; its queue depth is read
+        into ``encoder_queue_images`` when it can tell it."""
+        if isinstance(encoder, QueueDepth):
+            self._queue_depth = encoder
         return _TimedEncoder(encoder, self.encode_seconds)
 
     # -- LifecycleObserver --------------------------------------------------------------------
@@ -153,9 +231,10 @@ class Metrics:
     def scope_opened(self, req_id: str) -> None:
         self._open_scopes += 1
 
-    def scope_closed(self, req_id: str, reason: str) -> None:
+    def scope_closed(self, req_id: str, reason: str, seconds: float) -> None:
         self._open_scopes -= 1
         self.scopes_closed.labels(reason=reason).inc()
+        self.scope_seconds.labels(reason=reason).observe(seconds)
 
     def registered(self, address: int, length: int) -> None:
         self._held_registrations += 1

@@ -27,6 +27,7 @@ from hypercorn.trio import serve as hypercorn_serve
 
 from trio_encode.engine import TransferEngine
 from trio_encode.server.app import create_app
+from trio_encode.server.loading import LoadingEncoder
 from trio_encode.server.metrics import Metrics
 from trio_encode.service import Encoder, EncodeService, ShutdownReport
 from trio_encode.settings import ServerSettings
@@ -169,18 +170,35 @@ async def open_server(
 
 
 async def run_server(settings: ServerSettings) -> ShutdownReport:
-    """What ``trio-encode serve`` runs: a Mooncake engine, the image encoder, the server,
-    stopped gracefully by SIGINT or SIGTERM."""
+    """What ``trio-encode serve`` runs: a Mooncake engine, the server listening at once, the
+    image encoder loading behind it (``/readyz`` is 503 until it is loaded), stopped gracefully
+    by SIGINT or SIGTERM."""
     from trio_encode.encoder import ImageEncoder
-    from trio_encode.engine.mooncake import MooncakeEngine
+    from trio_encode.engine.mooncake import MooncakeEngine, set_engine_log_level
 
+    set_engine_log_level(settings.engine_log_level)
     engine = await MooncakeEngine.create(settings.engine)
     log.info("transfer engine ready at %s", engine.session_id)
     metrics = Metrics()
-    encoder = await trio.to_thread.run_sync(
-        partial(ImageEncoder.from_settings, settings.encoder_settings(), observer=metrics)
-    )
-    log.info("encoder loaded: %s", encoder.info.model_id)
-    return await serve(
-        settings, engine=engine, encoder=encoder, metrics=metrics, handle_signals=True
-    )
+
+    def load() -> Encoder:
+        encoder = ImageEncoder.from_settings(settings.encoder_settings(), observer=metrics)
+        log.info("encoder loaded: %s", encoder.info.model_id)
+        return encoder
+
+    encoder = LoadingEncoder(load)
+    async with trio.open_nursery() as nursery:
+        running: RunningServer = await nursery.start(
+            partial(
+                serve,
+                settings,
+                engine=engine,
+                encoder=encoder,
+                metrics=metrics,
+                handle_signals=True,
+            )
+        )
+        encoder.start_loading()  # only now: a port in use has already failed
+    report = running.service.shutdown_report
+    assert report is not None  # serve() returns only after its shutdown
+    return report
