@@ -32,6 +32,13 @@ SETTINGS = {
     "--engine-metadata-server": "TRIO_ENCODE_ENGINE_METADATA_SERVER",
     "--engine-device": "TRIO_ENCODE_ENGINE_DEVICE",
     "--engine-hostname": "TRIO_ENCODE_ENGINE_HOSTNAME",
+    "--engine-log-level": "TRIO_ENCODE_ENGINE_LOG_LEVEL",
+    "--access-log": "TRIO_ENCODE_ACCESS_LOG",
+    "--log-format": "TRIO_ENCODE_LOG_FORMAT",
+    "--config": "TRIO_ENCODE_CONFIG",
+    "--remember-released": "TRIO_ENCODE_REMEMBER_RELEASED",
+    "--remember-seconds": "TRIO_ENCODE_REMEMBER_SECONDS",
+    "--warmup": "TRIO_ENCODE_WARMUP",
     "--log-level": "TRIO_ENCODE_LOG_LEVEL",
     "--image-size": "TRIO_ENCODE_IMAGE_SIZE",
     "--patch-size": "TRIO_ENCODE_PATCH_SIZE",
@@ -88,7 +95,7 @@ def test_the_flag_wins_over_the_variable_and_the_variable_over_the_default(
     assert result.exit_code == 0, result.output
     (settings,) = captured
     assert settings.port == 9002  # flag
-    assert settings.send_timeout == 2.5  # variable
+    assert settings.service.send_timeout == 2.5  # variable
     assert settings.engine.protocol == "rdma"
     assert settings.host == "127.0.0.1"  # default
     assert settings.engine.metadata_server == "P2PHANDSHAKE"
@@ -139,7 +146,7 @@ def test_a_bad_setting_is_refused_with_the_reason(captured: list[ServerSettings]
 
 def _serve(*args: str, **env: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "trio_encode.cli", "serve", *args],
+        [sys.executable, "-m", "trio_encode", "serve", *args],
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, **env},
@@ -178,11 +185,16 @@ def test_serve_on_port_0_logs_its_port_and_stops_cleanly_on_sigterm() -> None:
 
 def test_demo_moves_and_checks_every_byte() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "trio_encode.cli", "demo", "--requests", "3", "--images", "1"],
+        [sys.executable, "-m", "trio_encode", "demo", "--requests", "3", "--images", "1"],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     assert "OK: every byte checked" in result.stdout
-    assert "registrations made 3, released 3, live at the end 0" in result.stdout
+    rows = dict(re.findall(r"│ (.+?)\s+│\s+(.+?) │", result.stdout))
+    assert rows["requests x ranks"] == "3 x 4"
+    assert rows["copies equal to the model's output"] == "12"
+    assert rows["registrations made"] == "3"
+    assert rows["registrations released"] == "3"
+    assert rows["registrations live at the end"] == "0"

@@ -10,11 +10,15 @@ to finish, and sees the cancellation at its next checkpoint.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
-from typing import Any
+import os
+import sys
+from typing import Annotated, Any
 
 import trio
+from pydantic import AfterValidator, ConfigDict
+from pydantic.dataclasses import dataclass
 
+from trio_encode.declare import setting
 from trio_encode.engine.base import EngineError
 
 _INSTALL_HINT = (
@@ -25,9 +29,15 @@ _INSTALL_HINT = (
 )
 
 
-def _load_mooncake_engine_class() -> Any:
+def _load_mooncake_engine_class(log_level: str) -> Any:
     """Import Mooncake only when an engine is created, so the rest of the package (and the
-    in-memory engine) works on hosts without it; a failure names the fix."""
+    in-memory engine) works on hosts without it; a failure names the fix.
+
+    Mooncake reads ``MC_LOG_LEVEL`` once, when its module loads, so the level is exported
+    just before the first import and later engines in the process share it.
+    """
+    if "mooncake.engine" not in sys.modules:
+        os.environ["MC_LOG_LEVEL"] = log_level
     try:
         module = importlib.import_module("mooncake.engine")
     except (ImportError, OSError) as error:  # OSError: a shared library that will not load
@@ -35,15 +45,51 @@ def _load_mooncake_engine_class() -> Any:
     return module.TransferEngine
 
 
-@dataclass(frozen=True)
-class MooncakeSettings:
-    """Arguments of Mooncake's ``initialize``; the defaults suit TCP on loopback with no
-    metadata server (peers exchange descriptors directly, ``P2PHANDSHAKE``)."""
+_ENGINE_LOG_LEVELS = ("TRACE", "INFO", "WARNING", "ERROR")
 
-    hostname: str = "127.0.0.1"
-    metadata_server: str = "P2PHANDSHAKE"
-    protocol: str = "tcp"
-    device_name: str = ""
+
+def _engine_log_level(level: str) -> str:
+    if level.upper() not in _ENGINE_LOG_LEVELS:
+        raise ValueError(f"{level!r} is not one of {', '.join(_ENGINE_LOG_LEVELS)}")
+    return level.upper()
+
+
+EngineLogLevel = Annotated[str, AfterValidator(_engine_log_level)]
+
+
+@dataclass(frozen=True, config=ConfigDict(extra="forbid"))
+class MooncakeSettings:
+    """Arguments of Mooncake's ``initialize``, and its log level; the defaults suit TCP on
+    loopback with no metadata server (peers exchange descriptors directly, ``P2PHANDSHAKE``).
+
+    As flags, variables and config keys these are named ``engine_<field>``.
+    """
+
+    protocol: str = setting(
+        "tcp", group="engine", help="Mooncake transport: tcp, or rdma where the NICs support it."
+    )
+    metadata_server: str = setting(
+        "P2PHANDSHAKE",
+        group="engine",
+        help="Mooncake metadata server; P2PHANDSHAKE needs none (peers exchange descriptors).",
+    )
+    device: str = setting(
+        "",
+        group="engine",
+        help="RDMA device names for Mooncake (empty: let it choose; unused over tcp).",
+    )
+    hostname: str = setting(
+        "127.0.0.1",
+        group="engine",
+        help="Address receivers reach this server's transfer engine at (its session_id host).",
+    )
+    log_level: EngineLogLevel = setting(
+        "ERROR",
+        group="engine",
+        help="Least severe of Mooncake's own log lines shown (TRACE, INFO, WARNING, ERROR); "
+        "exported as MC_LOG_LEVEL, replacing any value there, before Mooncake first loads in "
+        "the process.",
+    )
 
 
 class MooncakeEngine:
@@ -62,14 +108,14 @@ class MooncakeEngine:
         """Create and initialise an engine in a worker thread (initialisation opens sockets
         and may probe devices, which blocks)."""
         settings = settings if settings is not None else MooncakeSettings()
-        engine_class = _load_mooncake_engine_class()
+        engine_class = _load_mooncake_engine_class(settings.log_level)
         raw = engine_class()
         code = await trio.to_thread.run_sync(
             raw.initialize,
             settings.hostname,
             settings.metadata_server,
             settings.protocol,
-            settings.device_name,
+            settings.device,
             abandon_on_cancel=False,
         )
         if code != 0:
@@ -78,7 +124,7 @@ class MooncakeEngine:
                 int(code),
                 detail=(
                     f"hostname={settings.hostname} metadata_server={settings.metadata_server} "
-                    f"protocol={settings.protocol} device_name={settings.device_name!r}"
+                    f"protocol={settings.protocol} device={settings.device!r}"
                 ),
             )
         return cls(raw, settings)

@@ -82,7 +82,7 @@ async def serve(
     async with EncodeService.running(
         engine=engine,
         encoder=metrics.timed(encoder),
-        settings=settings.service_settings(),
+        settings=settings.service,
         observer=metrics,
     ) as service:
         metrics.attach(service)
@@ -102,7 +102,7 @@ async def serve(
             log.info(
                 "shutting down: %d live scopes get %.1f s to finish",
                 len(service.registry),
-                settings.shutdown_grace,
+                settings.service.shutdown_grace,
             )
             report = await service.shutdown()
             watching.cancel()
@@ -174,7 +174,7 @@ async def run_server(settings: ServerSettings) -> ShutdownReport:
     log.info("transfer engine ready at %s", engine.session_id)
     metrics = Metrics()
     encoder = await trio.to_thread.run_sync(
-        partial(ImageEncoder.from_settings, settings.encoder_settings(), observer=metrics)
+        partial(ImageEncoder.from_settings, settings.encoder, observer=metrics)
     )
     log.info("encoder loaded: %s", encoder.info.model_id)
     return await serve(
