@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -97,7 +98,7 @@ def test_a_size_is_read_in_its_unit(text: str, nbytes: int) -> None:
 
 @pytest.mark.parametrize("text", ["12XB", "MiB", "1.5", "-1MiB"])
 def test_a_size_that_is_not_one_is_refused(text: str) -> None:
-    with pytest.raises(ValueError, match="size|whole number"):
+    with pytest.raises(ValueError, match=r"size|whole number"):
         parse_size(text)
 
 
@@ -161,7 +162,8 @@ def test_serve_help_lists_every_setting_in_its_group() -> None:
     titles = ["Server:", "Engine:", "Model:", "Batching:", "Cache:", "Logging:"]
     starts = [result.output.index(f"\n{title}\n") for title in titles]
     assert starts == sorted(starts)
-    sections = dict(zip(titles, [result.output[a:b] for a, b in zip(starts, [*starts[1:], None])]))
+    ends = [*starts[1:], len(result.output)]
+    sections = {title: result.output[a:b] for title, a, b in zip(titles, starts, ends, strict=True)}
     for entry in catalog():
         section = sections[entry.group.capitalize() + ":"]
         assert entry.flag in section, entry.name
@@ -233,3 +235,22 @@ def test_a_missing_hf_extra_is_one_line_that_names_the_fix(
     assert "Traceback" not in result.output
     (line,) = [line for line in result.output.splitlines() if line.startswith("Error:")]
     assert "needs the 'transformers' package: pip install 'trio-encode[hf]'" in line
+
+
+def test_the_contract_states_the_declared_names_and_defaults() -> None:
+    """docs/api.md lists some settings with their variables and defaults; they must be the
+    declared ones (the declaration is the source, the document a copy)."""
+    text = (Path(__file__).parent.parent / "docs" / "api.md").read_text()
+    rows = re.findall(r"^\| `(--[a-z-]+)`[^|]*\| `(TRIO_ENCODE_\w+)` \| (.*) \|$", text, re.M)
+    assert len(rows) >= 5
+    by_flag = {entry.flag: entry for entry in catalog()}
+    for flag, env, default in rows:
+        entry = by_flag[flag]
+        assert entry.env == env
+        declared = entry.info.get_default(call_default_factory=True)
+        stated = re.match(r"`([^`]+)`", default)
+        if declared is None:
+            assert stated is None, flag
+        else:
+            assert stated is not None, flag
+            assert type(declared)(stated[1]) == declared, flag
