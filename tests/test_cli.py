@@ -203,3 +203,6 @@ def test_demo_moves_and_checks_every_byte() -> None:
     assert rows["registrations made"] == "3"
     assert rows["registrations released"] == "3"
     assert rows["registrations live at the end"] == "0"
+    # Every step, teardown included, says what it waits for.
+    assert "waiting for every scope to release its registration" in result.stderr
+    assert "stopping the server and closing the landing pools" in result.stderr
