@@ -78,7 +78,7 @@ class ServerSettings(BaseSettings):
     config: Path | None = setting(
         None,
         group="server",
-        help="A TOML file of settings keyed by the names used here, without dashes (e.g. "
+        help="A TOML file of settings, keyed by the flags' names with underscores (e.g. "
         'port = 9000, engine_protocol = "rdma", cache_bytes = "1GiB"); flags and '
         "TRIO_ENCODE_* variables override it.",
     )
@@ -189,6 +189,9 @@ def catalog() -> tuple[Setting, ...]:
                 found.append(Setting(flat, name, field, inner, ENV_PREFIX + flat.upper()))
         else:
             found.append(Setting(name, None, name, info, ENV_PREFIX + name.upper()))
+    for entry in found:
+        if "group" not in _extra(entry.info):
+            raise TypeError(f"setting {entry.name!r} is not declared with declare.setting()")
     return tuple(found)
 
 

@@ -52,8 +52,8 @@ class LoadConfig:
     image_size: int
     bytes_per_image: int
     engine: MooncakeSettings
-    nice: int = 0
-    """Added to the child's niceness."""
+    nice: int
+    """Added to the child's niceness (the bench's ``load_nice``)."""
     seed: int = 0
 
 
