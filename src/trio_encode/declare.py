@@ -13,8 +13,8 @@ from typing import Any, Literal, get_args
 
 from pydantic import Field
 
-Group = Literal["server", "engine", "model", "batching", "cache", "logging", "demo", "bench"]
-"""The sections of ``--help``, in the order they are shown."""
+Group = Literal["demo", "bench", "server", "engine", "model", "batching", "cache", "logging"]
+"""The sections of ``--help``, in the order they are shown (a command's own first)."""
 GROUPS: tuple[Group, ...] = get_args(Group)
 
 
