@@ -254,3 +254,14 @@ def test_the_contract_states_the_declared_names_and_defaults() -> None:
         else:
             assert stated is not None, flag
             assert type(declared)(stated[1]) == declared, flag
+
+
+def test_exactly_reads_no_variable_and_no_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TRIO_ENCODE_TOKEN", "from-the-shell")
+    monkeypatch.setenv("TRIO_ENCODE_CONFIG", str(_config(tmp_path, "port = 9000\n")))
+    assert (ServerSettings().token, ServerSettings().port) == ("from-the-shell", 9000)
+    exact = ServerSettings.exactly(send_timeout=4)
+    assert (exact.token, exact.port, exact.service.send_timeout) == (None, 8000, 4)
+    assert ServerSettings().token == "from-the-shell"  # reading resumes afterwards

@@ -196,7 +196,7 @@ async def _run(settings: ServerSettings, config: DemoSettings, steps: _Steps) ->
             await stack.enter_async_context(LandingPool.open(rank, requests * per_request + 4096))
             for rank in ranks
         ]
-        client = await stack.enter_async_context(EncodeClient(running.url))
+        client = await stack.enter_async_context(EncodeClient(running.url, token=settings.token))
 
         with steps.step(f"/encode + /send from {tp} ranks", requests * tp) as sent:
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import tomllib
 from collections.abc import Callable, Mapping
+from contextvars import ContextVar
 from dataclasses import asdict, dataclass
 from functools import cache
 from pathlib import Path
@@ -132,11 +133,29 @@ class ServerSettings(BaseSettings):
         flat name and nested here, so a whole section passed as an argument wins over a
         variable naming one of its fields."""
         arguments = getattr(init_settings, "init_kwargs", {})
+        given = _Layer(settings_cls, lambda _: arguments)
+        if not _read_outside.get():
+            return (given,)
         return (
-            _Layer(settings_cls, lambda _: arguments),
+            given,
             _Layer(settings_cls, lambda _: _from_environ(os.environ)),
             _Layer(settings_cls, _from_config_file),
         )
+
+    @classmethod
+    def exactly(cls, **values: Any) -> ServerSettings:
+        """These values over the defaults, reading no variable and no config file: for an
+        in-process server whose own clients must agree with it (the bench's, a test's), which
+        a ``TRIO_ENCODE_TOKEN`` in the environment would otherwise lock them out of."""
+        reset = _read_outside.set(False)
+        try:
+            return cls(**values)
+        finally:
+            _read_outside.reset(reset)
+
+
+_read_outside: ContextVar[bool] = ContextVar("read_outside", default=True)
+"""Whether :class:`ServerSettings` reads variables and the config file (see ``exactly``)."""
 
 
 @dataclass(frozen=True)

@@ -289,7 +289,7 @@ async def _open_rig(
     metrics = _BenchMetrics()
     engine = await MooncakeEngine.create(config.engine)
     encoder = ImageEncoder(backend, settings, observer=metrics)
-    server_settings = ServerSettings(
+    server_settings = ServerSettings.exactly(
         port=0,
         engine=config.engine,
         encoder=settings,
