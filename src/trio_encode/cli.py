@@ -38,7 +38,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 log = logging.getLogger(__name__)
 
-SERVER_GROUPS: tuple[Group, ...] = ("server", "engine", "model", "batching", "cache", "logging")
+SERVE_GROUPS: tuple[Group, ...] = ("server", "engine", "model", "batching", "cache", "logging")
+"""Every group of the server's settings: what `serve` accepts."""
 MODEL_GROUPS: tuple[Group, ...] = ("engine", "model", "batching", "cache")
 """The groups a command that loads the model but serves no clients of its own accepts."""
 
@@ -207,7 +208,7 @@ def cli() -> None:
 
 
 @cli.command(cls=GroupedCommand)
-@server_options(*SERVER_GROUPS)
+@server_options(*SERVE_GROUPS)
 def serve(**options: Any) -> None:
     """Serve POST /encode, POST /send, GET /health and GET /metrics until SIGINT/SIGTERM."""
     settings = load_settings(given(options))
