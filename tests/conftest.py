@@ -7,6 +7,7 @@ behind, which :func:`engine_pair` guarantees for the registrations made through 
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
@@ -17,10 +18,20 @@ import trio
 from trio_encode.engine import TransferEngine
 from trio_encode.engine.memory import InMemoryFabric
 from trio_encode.engine.mooncake import MooncakeEngine, MooncakeSettings
+from trio_encode.settings import ENV_PREFIX
 
 # A session id nobody listens on: port 1 on loopback is never a Mooncake engine.
 DEAD_MOONCAKE_SESSION = "127.0.0.1:1"
 DEAD_MEMORY_SESSION = "mem-dead:1"
+
+
+@pytest.fixture(autouse=True)
+def _no_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ServerSettings`` reads ``TRIO_ENCODE_*`` variables; one set in the shell that runs
+    the tests must not change what the tests configure."""
+    for name in list(os.environ):
+        if name.startswith(ENV_PREFIX):
+            monkeypatch.delenv(name)
 
 
 class BufferPool:

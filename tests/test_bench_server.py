@@ -14,8 +14,9 @@ import trio
 from click.testing import CliRunner
 from PIL import Image
 
+from trio_encode.bench.config import BenchConfig
 from trio_encode.bench.load import natural_jpegs
-from trio_encode.bench.server import BenchConfig, BenchResult, run_bench
+from trio_encode.bench.server import BenchResult, run_bench
 from trio_encode.cli import cli
 from trio_encode.encoder import EncoderSettings
 

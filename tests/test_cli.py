@@ -33,9 +33,14 @@ SETTINGS = {
     "--engine-metadata-server": "TRIO_ENCODE_ENGINE_METADATA_SERVER",
     "--engine-device": "TRIO_ENCODE_ENGINE_DEVICE",
     "--engine-hostname": "TRIO_ENCODE_ENGINE_HOSTNAME",
-    "--log-level": "TRIO_ENCODE_LOG_LEVEL",
-    "--access-log": "TRIO_ENCODE_ACCESS_LOG",
     "--engine-log-level": "TRIO_ENCODE_ENGINE_LOG_LEVEL",
+    "--access-log": "TRIO_ENCODE_ACCESS_LOG",
+    "--log-format": "TRIO_ENCODE_LOG_FORMAT",
+    "--config": "TRIO_ENCODE_CONFIG",
+    "--remember-released": "TRIO_ENCODE_REMEMBER_RELEASED",
+    "--remember-seconds": "TRIO_ENCODE_REMEMBER_SECONDS",
+    "--warmup": "TRIO_ENCODE_WARMUP",
+    "--log-level": "TRIO_ENCODE_LOG_LEVEL",
     "--image-size": "TRIO_ENCODE_IMAGE_SIZE",
     "--patch-size": "TRIO_ENCODE_PATCH_SIZE",
     "--width": "TRIO_ENCODE_WIDTH",
@@ -57,8 +62,11 @@ SETTINGS = {
     "--torch-threads": "TRIO_ENCODE_TORCH_THREADS",
     "--pull-timeout": "TRIO_ENCODE_PULL_TIMEOUT",
     "--remote-fetch": "TRIO_ENCODE_REMOTE_FETCH",
-    "--remote-host": "TRIO_ENCODE_REMOTE_HOSTS",
-    "--remote-private-network": "TRIO_ENCODE_REMOTE_PRIVATE_NETWORKS",
+    "--remote-hosts": "TRIO_ENCODE_REMOTE_HOSTS",
+    "--remote-private-networks": "TRIO_ENCODE_REMOTE_PRIVATE_NETWORKS",
+    "--engine-transfer-threads": "TRIO_ENCODE_ENGINE_TRANSFER_THREADS",
+    "--engine-control-threads": "TRIO_ENCODE_ENGINE_CONTROL_THREADS",
+    "--engine-sends-per-session": "TRIO_ENCODE_ENGINE_SENDS_PER_SESSION",
     "--remote-timeout": "TRIO_ENCODE_REMOTE_TIMEOUT",
     "--remote-max-redirects": "TRIO_ENCODE_REMOTE_MAX_REDIRECTS",
 }
@@ -97,11 +105,11 @@ def test_the_flag_wins_over_the_variable_and_the_variable_over_the_default(
     assert result.exit_code == 0, result.output
     (settings,) = captured
     assert settings.port == 9002  # flag
-    assert settings.send_timeout == 2.5  # variable
+    assert settings.service.send_timeout == 2.5  # variable
     assert settings.engine.protocol == "rdma"
     assert settings.host == "127.0.0.1"  # default
     assert settings.engine.metadata_server == "P2PHANDSHAKE"
-    assert (settings.access_log, settings.engine_log_level) == (True, "ERROR")  # defaults
+    assert (settings.access_log, settings.engine.log_level) == (True, "ERROR")  # defaults
     assert "0 cut short" in result.output
 
 
@@ -112,7 +120,7 @@ def test_access_log_and_engine_log_level_read_flags_and_variables(
     result = CliRunner().invoke(cli, ["serve", "--no-access-log"], env=env)
     assert result.exit_code == 0, result.output
     (settings,) = captured
-    assert (settings.access_log, settings.engine_log_level) == (False, "WARNING")
+    assert (settings.access_log, settings.engine.log_level) == (False, "WARNING")
 
 
 def test_encoder_flags_beat_variables_which_beat_the_defaults(
@@ -141,27 +149,27 @@ def test_encoder_flags_beat_variables_which_beat_the_defaults(
 
 
 def test_sglang_settings_from_flags_and_variables(captured: list[ServerSettings]) -> None:
-    """Remote fetching is off unless asked for; its lists come from repeated flags or a
-    space-separated variable."""
+    """Remote fetching is off unless asked for; its lists are comma-separated in a flag or a
+    variable."""
     result = CliRunner().invoke(cli, ["serve"])
     assert result.exit_code == 0, result.output
     assert captured[-1].encoder.remote_fetch is False
-    assert captured[-1].pull_timeout == 180.0
-    env = {"TRIO_ENCODE_REMOTE_PRIVATE_NETWORKS": "10.0.0.0/8 fd00::/8"}
-    args = ["serve", "--remote-fetch", "--remote-host", "a.example", "--remote-host", "b.example"]
+    assert captured[-1].service.pull_timeout == 180.0
+    env = {"TRIO_ENCODE_REMOTE_PRIVATE_NETWORKS": "10.0.0.0/8, fd00::/8"}
+    args = ["serve", "--remote-fetch", "--remote-hosts", "a.example,b.example"]
     args += ["--pull-timeout", "30", "--remote-timeout", "2", "--remote-max-redirects", "0"]
     result = CliRunner().invoke(cli, args, env=env)
     assert result.exit_code == 0, result.output
     settings = captured[-1]
-    assert settings.pull_timeout == 30.0
+    assert settings.service.pull_timeout == 30.0
     encoder = settings.encoder
     assert encoder.remote_fetch is True
     assert encoder.remote_hosts == ("a.example", "b.example")
     assert encoder.remote_private_networks == ("10.0.0.0/8", "fd00::/8")
     assert (encoder.remote_timeout, encoder.remote_max_redirects) == (2.0, 0)
-    result = CliRunner().invoke(cli, ["serve", "--remote-private-network", "nonsense"])
+    result = CliRunner().invoke(cli, ["serve", "--remote-private-networks", "nonsense"])
     assert result.exit_code == 2
-    assert "not a CIDR network" in result.output
+    assert "does not appear to be an IPv4 or IPv6 network" in result.output
 
 
 def test_encoder_settings_that_do_not_fit_together_are_a_usage_error(
@@ -182,15 +190,19 @@ def test_a_bad_setting_is_refused_with_the_reason(captured: list[ServerSettings]
 
 
 def _serve(*args: str, **env: str) -> subprocess.Popen[str]:
+    # Without Mooncake's own log knobs, to show the server quiets it by itself.
+    inherited = {
+        k: v for k, v in os.environ.items() if k not in ("MC_LOG_LEVEL", "GLOG_minloglevel")
+    }
     return subprocess.Popen(
-        [sys.executable, "-m", "trio_encode.cli", "serve", *args],
+        [sys.executable, "-m", "trio_encode", "serve", *args],
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, **env},
+        env={**inherited, **env},
     )
 
 
-def test_serve_on_port_0_logs_its_port_and_stops_cleanly_on_sigterm() -> None:
+def test_serve_on_port_0_logs_its_port_quiets_mooncake_and_stops_cleanly_on_sigterm() -> None:
     process = _serve("--port", "0", "--shutdown-grace", "1", TRIO_ENCODE_LOG_FORMAT="kv")
     lines: list[str] = []
     try:
@@ -222,15 +234,24 @@ def test_serve_on_port_0_logs_its_port_and_stops_cleanly_on_sigterm() -> None:
     output = "".join(lines)
     assert "received SIGTERM" in output
     assert "0 cut short" in output
+    assert not re.search(r"^[IW]\d{4} ", output, re.MULTILINE), "Mooncake's INFO lines show"
 
 
 def test_demo_moves_and_checks_every_byte() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "trio_encode.cli", "demo", "--requests", "3", "--images", "1"],
+        [sys.executable, "-m", "trio_encode", "demo", "--requests", "3", "--images", "1"],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     assert "OK: every byte checked" in result.stdout
-    assert "registrations made 3, released 3, live at the end 0" in result.stdout
+    rows = dict(re.findall(r"│ (.+?)\s+│\s+(.+?) │", result.stdout))
+    assert rows["requests x ranks"] == "3 x 4"
+    assert rows["copies equal to the model's output"] == "12"
+    assert rows["registrations made"] == "3"
+    assert rows["registrations released"] == "3"
+    assert rows["registrations live at the end"] == "0"
+    # Every step, teardown included, says what it waits for.
+    assert "waiting for every scope to release its registration" in result.stderr
+    assert "stopping the server and closing the landing pools" in result.stderr

@@ -222,5 +222,5 @@ async def test_the_encoder_fetches_urls_in_order_and_decodes_them_under_the_same
 
 
 def test_a_malformed_private_network_is_a_settings_error() -> None:
-    with pytest.raises(ValueError, match="not a CIDR network"):
+    with pytest.raises(ValueError, match="does not appear to be an IPv4 or IPv6 network"):
         EncoderSettings(remote_private_networks=("10.0.0.0/33",))

@@ -124,9 +124,9 @@ def test_bfloat16_model_is_close_to_float32() -> None:
     [
         ({"image_size": 30}, "not a multiple of patch_size"),
         ({"width": 33}, "not divisible by heads"),
-        ({"dtype": "float64"}, "dtype must be"),
-        ({"max_batch_size": 0}, "max_batch_size must be positive"),
-        ({"cache_bytes": -1}, "cache_bytes must be >= 0"),
+        ({"dtype": "float64"}, r"dtype\s+Input should be 'float32' or 'bfloat16'"),
+        ({"max_batch_size": 0}, r"max_batch_size\s+Input should be greater than 0"),
+        ({"cache_bytes": -1}, r"cache_bytes\s+Input should be greater than or equal to 0"),
     ],
 )
 def test_settings_are_checked(change: dict[str, object], words: str) -> None:

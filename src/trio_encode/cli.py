@@ -1,456 +1,217 @@
 """``trio-encode``: ``serve`` runs the encode server; ``demo`` proves a whole round trip;
 ``bench`` measures the served paths against their raw parts.
 
-Every setting is a flag and a ``TRIO_ENCODE_*`` environment variable (the flag wins; click's
-order of precedence). Options come in groups, each a decorator, so a module that adds settings
-adds one group and one line in :func:`_settings`.
+No option is declared here: each is generated from a settings field (its type, default, bounds
+and help), so a setting added to a model is a flag at once. ``serve`` reads flags, then
+``TRIO_ENCODE_*`` variables, then the ``--config`` TOML file, then the defaults (see
+:mod:`trio_encode.settings`); ``--help`` lists the settings by group.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
+import os
+import sys
+import typing
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
 import click
 import trio
+from click.core import ParameterSource
+from pydantic import ValidationError
+from pydantic.fields import FieldInfo
+from pydantic_settings import SettingsError
 
-from trio_encode.encoder.settings import EncoderSettings
+from trio_encode import __version__
+from trio_encode.bench.config import BenchConfig
+from trio_encode.declare import GROUPS, Group
+from trio_encode.demo import DemoSettings
 from trio_encode.engine import EngineError
-from trio_encode.engine.mooncake import ENGINE_LOG_LEVELS, MooncakeSettings
 from trio_encode.logs import setup_logging
-from trio_encode.settings import MiB, ServerSettings
+from trio_encode.settings import ServerSettings, Setting, catalog, describe_error, model_fields
+from trio_encode.sizes import format_size, parse_size
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 log = logging.getLogger(__name__)
 
+SERVE_GROUPS: tuple[Group, ...] = ("server", "engine", "model", "batching", "cache", "logging")
+"""Every group of the server's settings: what `serve` accepts."""
+MODEL_GROUPS: tuple[Group, ...] = ("engine", "model", "batching", "cache")
+"""The groups a command that loads the model but serves no clients of its own accepts."""
 
-def _option(*names: str, env: str, **kwargs: Any) -> Callable[[F], F]:
-    return click.option(*names, envvar=f"TRIO_ENCODE_{env}", show_envvar=True, **kwargs)
+
+class SettingOption(click.Option):
+    """An option made from a setting; it remembers its ``--help`` group."""
+
+    def __init__(self, entry: Setting) -> None:
+        info = entry.info
+        decls = [entry.name, entry.flag, *entry.aliases]
+        if _is_bool(info):
+            decls = [entry.name, f"{entry.flag}/--no-{entry.flag[2:]}"]
+        notes = [f"env: {entry.env}"] if entry.env else []
+        default = _shown_default(info)
+        if default is not None:
+            notes.append(f"default: {default}")
+        help_text = info.description or ""
+        if notes:
+            help_text += f"  [{'; '.join(notes)}]"
+        super().__init__(
+            decls,
+            default=None,
+            is_flag=_is_bool(info) or None,
+            metavar=None if _is_bool(info) else _metavar(info),
+            help=help_text,
+        )
+        self.group: Group = entry.group
 
 
-def _group(*options: Callable[[F], F]) -> Callable[[F], F]:
+class GroupedCommand(click.Command):
+    """A command whose ``--help`` lists its setting options under their groups."""
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        sections: dict[str, list[tuple[str, str]]] = {}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is None:
+                continue
+            title: str = param.group if isinstance(param, SettingOption) else "options"
+            sections.setdefault(title, []).append(record)
+        for title in ("options", *GROUPS):
+            if title in sections:
+                with formatter.section(title.capitalize()):
+                    formatter.write_dl(sections[title])
+
+
+def _is_bool(info: FieldInfo) -> bool:
+    return info.annotation is bool
+
+
+def _metavar(info: FieldInfo) -> str:
+    annotation = info.annotation
+    choices = typing.get_args(annotation) if typing.get_origin(annotation) is typing.Literal else ()
+    if choices:
+        return "[" + "|".join(str(choice) for choice in choices) + "]"
+    if any(getattr(meta, "func", None) is parse_size for meta in info.metadata):
+        return "SIZE"
+    members = {_bare(member) for member in typing.get_args(annotation)} or {annotation}
+    for kind, name in ((int, "INTEGER"), (float, "FLOAT"), (Path, "PATH")):
+        if kind in members:
+            return name
+    if typing.get_origin(annotation) is tuple:
+        return "N,N,..."
+    return "TEXT"
+
+
+def _bare(annotation: Any) -> Any:
+    """``Annotated[Path, ...]`` -> ``Path``."""
+    if typing.get_origin(annotation) is typing.Annotated:
+        return typing.get_args(annotation)[0]
+    return annotation
+
+
+def _shown_default(info: FieldInfo) -> str | None:
+    value = info.get_default(call_default_factory=True)
+    if value is None or value == "":
+        return None
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if any(getattr(meta, "func", None) is parse_size for meta in info.metadata):
+        return format_size(value)
+    if isinstance(value, tuple):
+        return ",".join(str(item) for item in value)
+    return str(value)
+
+
+def setting_options(entries: Iterable[Setting]) -> Callable[[F], F]:
+    """Add an option for each setting to a command (in order, in their groups)."""
+
     def apply(command: F) -> F:
-        for option in reversed(options):
-            command = option(command)
+        params = getattr(command, "__click_params__", [])
+        params.extend(reversed([SettingOption(entry) for entry in entries]))
+        command.__click_params__ = params  # type: ignore[attr-defined]
         return command
 
     return apply
 
 
-server_options = _group(
-    _option(
-        "--host", env="HOST", default="127.0.0.1", show_default=True, help="Address to listen on."
-    ),
-    _option(
-        "--port",
-        env="PORT",
-        type=click.IntRange(0, 65535),
-        default=8000,
-        show_default=True,
-        help="Port to listen on; 0 picks a free one and logs it.",
-    ),
-    _option(
-        "--send-timeout",
-        env="SEND_TIMEOUT",
-        type=click.FloatRange(0, min_open=True),
-        default=180.0,
-        show_default=True,
-        help="Seconds from a request's first /encode until its scope is ended whatever the "
-        "clients do (the backstop): waiting calls get 504, its memory is released.",
-    ),
-    _option(
-        "--pull-timeout",
-        env="PULL_TIMEOUT",
-        type=click.FloatRange(0, min_open=True),
-        default=180.0,
-        show_default=True,
-        help="Seconds a metadata pull (SGLang's /scheduler_receive_meta_data) waits for an "
-        "/encode to name its req_id before it gets 504.",
-    ),
-    _option(
-        "--shutdown-grace",
-        env="SHUTDOWN_GRACE",
-        type=click.FloatRange(0),
-        default=30.0,
-        show_default=True,
-        help="On SIGINT/SIGTERM, seconds live requests may still finish (new ones get 503) "
-        "before they are cut short.",
-    ),
-    _option(
-        "--max-body-bytes",
-        env="MAX_BODY_BYTES",
-        type=click.IntRange(1),
-        default=64 * MiB,
-        show_default=True,
-        help="Larger request bodies are refused with 413.",
-    ),
-    _option(
-        "--token",
-        env="TOKEN",
-        default=None,
-        help="Require 'Authorization: Bearer TOKEN' on /encode, /send and the metadata pull "
-        "(/health and /metrics stay open; SGLang sends no token).",
-    ),
-    _option(
-        "--media-dir",
-        env="MEDIA_DIR",
-        type=click.Path(exists=True, file_okay=False, path_type=Path),
-        default=None,
-        help="Also accept mm_items that are paths of image files inside this directory.",
-    ),
-)
-
-engine_options = _group(
-    _option(
-        "--engine-protocol",
-        env="ENGINE_PROTOCOL",
-        default="tcp",
-        show_default=True,
-        help="Mooncake transport: tcp, or rdma where the NICs support it.",
-    ),
-    _option(
-        "--engine-metadata-server",
-        env="ENGINE_METADATA_SERVER",
-        default="P2PHANDSHAKE",
-        show_default=True,
-        help="Mooncake metadata server; P2PHANDSHAKE needs none (peers exchange descriptors).",
-    ),
-    _option(
-        "--engine-device",
-        env="ENGINE_DEVICE",
-        default="",
-        help="RDMA device names for Mooncake (empty: let it choose; unused over tcp).",
-    ),
-    _option(
-        "--engine-hostname",
-        env="ENGINE_HOSTNAME",
-        default="127.0.0.1",
-        show_default=True,
-        help="Address receivers reach this server's transfer engine at (its session_id host).",
-    ),
-)
-
-_ENCODER = EncoderSettings()  # the defaults shown in --help are the dataclass's own
-
-encoder_options = _group(
-    _option(
-        "--image-size",
-        env="IMAGE_SIZE",
-        type=click.IntRange(1),
-        default=_ENCODER.image_size,
-        show_default=True,
-        help="Built-in ViT: side in pixels every image is resized to; a multiple of "
-        "--patch-size. Ignored with --hf-model-dir (the model's config decides).",
-    ),
-    _option(
-        "--patch-size",
-        env="PATCH_SIZE",
-        type=click.IntRange(1),
-        default=_ENCODER.patch_size,
-        show_default=True,
-        help="Built-in ViT: patch side; tokens per image = (image-size / patch-size)^2.",
-    ),
-    _option(
-        "--width",
-        env="WIDTH",
-        type=click.IntRange(1),
-        default=_ENCODER.width,
-        show_default=True,
-        help="Built-in ViT: transformer width (a multiple of --heads).",
-    ),
-    _option(
-        "--depth",
-        env="DEPTH",
-        type=click.IntRange(1),
-        default=_ENCODER.depth,
-        show_default=True,
-        help="Built-in ViT: transformer layers.",
-    ),
-    _option(
-        "--heads",
-        env="HEADS",
-        type=click.IntRange(1),
-        default=_ENCODER.heads,
-        show_default=True,
-        help="Built-in ViT: attention heads.",
-    ),
-    _option(
-        "--mlp-ratio",
-        env="MLP_RATIO",
-        type=click.FloatRange(0, min_open=True),
-        default=_ENCODER.mlp_ratio,
-        show_default=True,
-        help="Built-in ViT: MLP width as a multiple of --width.",
-    ),
-    _option(
-        "--hidden-size",
-        env="HIDDEN_SIZE",
-        type=click.IntRange(1),
-        default=_ENCODER.hidden_size,
-        show_default=True,
-        help="The language model's hidden size: the width of every embedding row sent to "
-        "prefill ranks (the projector's output).",
-    ),
-    _option(
-        "--dtype",
-        env="DTYPE",
-        type=click.Choice(["float32", "bfloat16"]),
-        default=_ENCODER.dtype,
-        show_default=True,
-        help="Dtype of the model and of the embeddings sent; bfloat16 halves the bytes moved.",
-    ),
-    _option(
-        "--seed",
-        env="SEED",
-        type=int,
-        default=_ENCODER.seed,
-        show_default=True,
-        help="Built-in ViT: seed its random weights are drawn from (unless --weights is "
-        "given); servers with the same seed produce the same embeddings.",
-    ),
-    _option(
-        "--weights",
-        env="WEIGHTS",
-        type=click.Path(exists=True, dir_okay=False, path_type=Path),
-        default=None,
-        help="Built-in ViT: a safetensors file of its weights (saved by "
-        "trio_encode.encoder.model.save_weights) instead of seeded random ones.",
-    ),
-    _option(
-        "--hf-model-dir",
-        env="HF_MODEL_DIR",
-        type=click.Path(exists=True, file_okay=False, path_type=Path),
-        default=None,
-        help="Serve a local CLIP or SigLIP vision tower in Hugging Face format instead of the "
-        "built-in ViT (needs the 'hf' extra; nothing is downloaded).",
-    ),
-    _option(
-        "--hf-feature-layer",
-        env="HF_FEATURE_LAYER",
-        type=int,
-        default=_ENCODER.hf_feature_layer,
-        show_default=True,
-        help="With --hf-model-dir: hidden layer whose states are returned (-1 the last; "
-        "LLaVA uses -2).",
-    ),
-    _option(
-        "--max-batch-size",
-        env="MAX_BATCH_SIZE",
-        type=click.IntRange(1),
-        default=_ENCODER.max_batch_size,
-        show_default=True,
-        help="Images per forward pass, gathered across concurrent requests.",
-    ),
-    _option(
-        "--max-batch-wait",
-        env="MAX_BATCH_WAIT",
-        type=click.FloatRange(0),
-        default=_ENCODER.max_batch_wait,
-        show_default=True,
-        help="Seconds the oldest queued image may wait for others to fill its batch: "
-        "latency traded for throughput.",
-    ),
-    _option(
-        "--queue-size",
-        env="QUEUE_SIZE",
-        type=click.IntRange(1),
-        default=_ENCODER.queue_size,
-        show_default=True,
-        help="Images that may wait for (or be decoded for) a forward pass; more get 503, so "
-        "a burst is refused quickly instead of timing out. Also the most images per request.",
-    ),
-    _option(
-        "--cache-bytes",
-        env="CACHE_BYTES",
-        type=click.IntRange(0),
-        default=_ENCODER.cache_bytes,
-        show_default=True,
-        help="Bytes of embeddings kept for repeated images (keyed by content); 0 disables "
-        "the cache.",
-    ),
-    _option(
-        "--max-image-bytes",
-        env="MAX_IMAGE_BYTES",
-        type=click.IntRange(1),
-        default=_ENCODER.max_image_bytes,
-        show_default=True,
-        help="Encoded size of one image; larger ones get 400.",
-    ),
-    _option(
-        "--max-image-pixels",
-        env="MAX_IMAGE_PIXELS",
-        type=click.IntRange(1),
-        default=_ENCODER.max_image_pixels,
-        show_default=True,
-        help="Width x height of one image, checked before decoding (decompression bombs); "
-        "larger ones get 400.",
-    ),
-    _option(
-        "--remote-fetch/--no-remote-fetch",
-        env="REMOTE_FETCH",
-        default=_ENCODER.remote_fetch,
-        show_default=True,
-        help="Fetch http(s):// mm_items (SGLang passes image URLs through). Off by default: "
-        "a client could otherwise make the server connect anywhere.",
-    ),
-    _option(
-        "--remote-host",
-        "remote_hosts",
-        env="REMOTE_HOSTS",
-        multiple=True,
-        help="With --remote-fetch: a host name that may be fetched (repeat for several; the "
-        "variable takes them space-separated). None given: any host with public addresses.",
-    ),
-    _option(
-        "--remote-private-network",
-        "remote_private_networks",
-        env="REMOTE_PRIVATE_NETWORKS",
-        multiple=True,
-        help="With --remote-fetch: a CIDR network outside the public internet (private, "
-        "loopback, link-local) that fetches may still reach; all others are refused.",
-    ),
-    _option(
-        "--remote-timeout",
-        env="REMOTE_TIMEOUT",
-        type=click.FloatRange(0, min_open=True),
-        default=_ENCODER.remote_timeout,
-        show_default=True,
-        help="Seconds one item's fetch may take, redirects included; slower ones get 400.",
-    ),
-    _option(
-        "--remote-max-redirects",
-        env="REMOTE_MAX_REDIRECTS",
-        type=click.IntRange(0),
-        default=_ENCODER.remote_max_redirects,
-        show_default=True,
-        help="Redirects one fetch may follow; each hop is checked like the first URL.",
-    ),
-    _option(
-        "--torch-threads",
-        env="TORCH_THREADS",
-        type=click.IntRange(1),
-        default=None,
-        help="torch.set_num_threads for the forward pass (default: torch's own, one per "
-        "core). Lower it to leave cores to image decoding and the event loop.",
-    ),
-)
-
-logging_options = _group(
-    _option(
-        "--log-level",
-        env="LOG_LEVEL",
-        type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
-        default="INFO",
-        show_default=True,
-        help="Least severe log lines shown.",
-    ),
-    _option(
-        "--log-format",
-        env="LOG_FORMAT",
-        type=click.Choice(["kv", "json"]),
-        default="kv",
-        show_default=True,
-        help="key=value lines for people, JSON lines for log shippers.",
-    ),
-    _option(
-        "--access-log/--no-access-log",
-        env="ACCESS_LOG",
-        default=True,
-        show_default=True,
-        help="Log one line per answered HTTP request (method, path, status, duration, bytes).",
-    ),
-    _option(
-        "--engine-log-level",
-        env="ENGINE_LOG_LEVEL",
-        type=click.Choice(ENGINE_LOG_LEVELS, case_sensitive=False),
-        default="ERROR",
-        show_default=True,
-        help="Least severe Mooncake log line shown (sets its MC_LOG_LEVEL).",
-    ),
-)
+def server_options(*groups: Group) -> Callable[[F], F]:
+    """The options of the server settings in ``groups``, plus ``--config``."""
+    return setting_options(
+        entry for entry in catalog() if entry.group in groups or entry.name == "config"
+    )
 
 
-def _encoder_settings(options: dict[str, Any]) -> EncoderSettings:
-    """Encoder settings from :data:`encoder_options`; a combination the encoder refuses (an
-    image size that is not a multiple of the patch size, say) is a usage error."""
+def model_options(model: type[Any]) -> Callable[[F], F]:
+    """Flags (no variables) for the declared settings of a command's own model (the demo's,
+    the bench's); its fields without a group (nested settings) are not options."""
+    entries = [
+        Setting(name, None, name, info, env=None)
+        for name, info in model_fields(model).items()
+        if isinstance(info.json_schema_extra, dict) and "group" in info.json_schema_extra
+    ]
+    return setting_options(entries)
+
+
+def given(options: dict[str, Any], names: Iterable[str] | None = None) -> dict[str, Any]:
+    """The options the command line actually set (so variables, the config file and the
+    defaults decide the rest), limited to ``names`` when given."""
+    ctx = click.get_current_context()
+    wanted = set(options) if names is None else set(names)
+    return {
+        name: value
+        for name, value in options.items()
+        if name in wanted and ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE
+    }
+
+
+def load_settings(flags: dict[str, Any], **overrides: Any) -> ServerSettings:
+    """The server settings (flags over variables over the config file over defaults), with
+    ``overrides`` on top; a value any of them got wrong is a usage error naming where it is
+    set."""
     try:
-        return EncoderSettings(
-            image_size=options["image_size"],
-            patch_size=options["patch_size"],
-            width=options["width"],
-            depth=options["depth"],
-            heads=options["heads"],
-            mlp_ratio=options["mlp_ratio"],
-            hidden_size=options["hidden_size"],
-            dtype=options["dtype"],
-            seed=options["seed"],
-            weights=options["weights"],
-            hf_model_dir=options["hf_model_dir"],
-            hf_feature_layer=options["hf_feature_layer"],
-            max_batch_size=options["max_batch_size"],
-            max_batch_wait=options["max_batch_wait"],
-            queue_size=options["queue_size"],
-            cache_bytes=options["cache_bytes"],
-            max_image_bytes=options["max_image_bytes"],
-            max_image_pixels=options["max_image_pixels"],
-            torch_threads=options["torch_threads"],
-            remote_fetch=options["remote_fetch"],
-            remote_hosts=tuple(options["remote_hosts"]),
-            remote_private_networks=tuple(options["remote_private_networks"]),
-            remote_timeout=options["remote_timeout"],
-            remote_max_redirects=options["remote_max_redirects"],
+        return ServerSettings(**{**flags, **overrides})
+    except ValidationError as error:
+        raise click.UsageError(_validation_message(error, describe_error)) from error
+    except SettingsError as error:
+        raise click.UsageError(str(error)) from error
+
+
+def build(model: Callable[..., Any], flags: dict[str, Any], **values: Any) -> Any:
+    """A command's own model from its flags; a refused value is a usage error."""
+    try:
+        return model(**values, **flags)
+    except ValidationError as error:
+        message = _validation_message(
+            error, lambda loc: "--" + str(loc[0]).replace("_", "-") if loc else "settings"
         )
-    except ValueError as exc:
-        raise click.UsageError(f"encoder settings: {exc}") from exc
+        raise click.UsageError(message) from error
 
 
-def _engine_settings(options: dict[str, Any]) -> MooncakeSettings:
-    return MooncakeSettings(
-        hostname=options["engine_hostname"],
-        metadata_server=options["engine_metadata_server"],
-        protocol=options["engine_protocol"],
-        device_name=options["engine_device"],
-    )
-
-
-def _settings(options: dict[str, Any]) -> ServerSettings:
-    """Settings from the options of the groups above."""
-    return ServerSettings(
-        host=options["host"],
-        port=options["port"],
-        send_timeout=options["send_timeout"],
-        pull_timeout=options["pull_timeout"],
-        shutdown_grace=options["shutdown_grace"],
-        max_body_bytes=options["max_body_bytes"],
-        token=options["token"] or None,
-        media_dir=options["media_dir"],
-        engine=_engine_settings(options),
-        encoder=_encoder_settings(options),
-        log_level=options["log_level"].upper(),
-        log_format=options["log_format"],
-        access_log=options["access_log"],
-        engine_log_level=options["engine_log_level"].upper(),
-    )
+def _validation_message(
+    error: ValidationError, where: Callable[[tuple[int | str, ...]], str]
+) -> str:
+    lines = []
+    for problem in error.errors():
+        message = problem["msg"].removeprefix("Value error, ")
+        lines.append(f"invalid {where(problem['loc'])}: {message}")
+    return "\n".join(lines)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.version_option(package_name="trio-encode")
+@click.version_option(__version__, "-V", "--version", package_name="trio-encode")
 def cli() -> None:
     """Encode server for disaggregated multimodal LLM serving (Trio + Mooncake)."""
 
 
-@cli.command()
-@server_options
-@engine_options
-@encoder_options
-@logging_options
+@cli.command(cls=GroupedCommand)
+@server_options(*SERVE_GROUPS)
 def serve(**options: Any) -> None:
     """Serve POST /encode, POST /send, GET /health and GET /metrics until SIGINT/SIGTERM."""
-    settings = _settings(options)
+    settings = load_settings(given(options))
     setup_logging(settings.log_level, settings.log_format)
     from trio_encode.server.serve import run_server
 
@@ -462,139 +223,37 @@ def serve(**options: Any) -> None:
     )
 
 
-@cli.command()
-@click.option(
-    "--requests", type=click.IntRange(1), default=8, show_default=True, help="Requests to run."
-)
-@click.option(
-    "--images", type=click.IntRange(1), default=2, show_default=True, help="Images per request."
-)
-@click.option(
-    "--tp", type=click.IntRange(1), default=4, show_default=True, help="Receiving prefill ranks."
-)
-@engine_options
-@encoder_options
-@_option(
-    "--log-level",
-    env="LOG_LEVEL",
-    type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
-    default="WARNING",
-    show_default=True,
-    help="Least severe log lines shown.",
-)
-def demo(requests: int, images: int, tp: int, log_level: str, **options: Any) -> None:
+@cli.command(cls=GroupedCommand)
+@model_options(DemoSettings)
+@server_options(*MODEL_GROUPS)
+def demo(**options: Any) -> None:
     """Start a server on a free port and TP receivers, run requests, check every byte.
 
     Each receiver owns its own Mooncake engine and one registered landing pool; every rank
-    calls /encode and /send for every request concurrently. Exits non-zero if any check fails.
-    The summary goes to stdout; Mooncake's own log lines go to stderr.
+    calls /encode and /send for every request concurrently. Shows progress while it runs and
+    a table at the end (on stdout); exits non-zero if any check fails.
     """
-    setup_logging(log_level.upper())
-    settings = ServerSettings(
-        port=0,
-        engine=_engine_settings(options),
-        encoder=_encoder_settings(options),
-        shutdown_grace=5.0,
-    )
-    from trio_encode.server.demo import run_demo
+    own = given(options, model_fields(DemoSettings))
+    config: DemoSettings = build(DemoSettings, own)
+    setup_logging(config.log_level)
+    settings = load_settings(given(options, set(options) - set(own)), port=0)
+    from trio_encode.demo import run_demo
 
-    outcome = _run(run_demo, settings, requests, images, tp)
-    click.echo(outcome.summary())
-    if not outcome.ok:
-        raise SystemExit(1)
-
-
-def _image_counts(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int, ...]:
-    try:
-        counts = tuple(int(part) for part in value.split(",") if part.strip())
-    except ValueError:
-        counts = ()
-    if not counts or min(counts) < 1:
-        raise click.BadParameter("give positive image counts separated by commas, e.g. 1,4")
-    return counts
+    outcome = _run(run_demo, settings, config)
+    # Leave without destructors: each Mooncake engine takes about a second to stop its
+    # threads, and the demo's five would be seconds of silence after the verdict. The OS
+    # closes their sockets; everything the demo printed is flushed first.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0 if outcome.ok else 1)
 
 
-@cli.command()
-@click.option(
-    "--tp",
-    type=click.IntRange(1),
-    default=4,
-    show_default=True,
-    help="Receiving prefill ranks, each with its own engine: the concurrency of both "
-    "transfer sides.",
-)
-@click.option(
-    "--transfer-images",
-    default="1,4",
-    show_default=True,
-    callback=_image_counts,
-    help="One transfer row per count: a transfer is that many images' embeddings.",
-)
-@click.option(
-    "--transfer-requests",
-    type=click.IntRange(1),
-    default=64,
-    show_default=True,
-    help="req_ids per round and row; every rank sends each one.",
-)
-@click.option(
-    "--concurrency",
-    type=click.IntRange(1),
-    default=16,
-    show_default=True,
-    help="HTTP clients calling /encode then /send in a loop, each with its own image.",
-)
-@click.option(
-    "--served-seconds",
-    type=click.FloatRange(0, min_open=True),
-    default=60.0,
-    show_default=True,
-    help="Measured /encode time, over all rounds.",
-)
-@click.option(
-    "--raw-seconds",
-    type=click.FloatRange(0, min_open=True),
-    default=15.0,
-    show_default=True,
-    help="Measured raw forward time, over all rounds.",
-)
-@click.option(
-    "--settle-seconds",
-    type=click.FloatRange(0),
-    default=1.0,
-    show_default=True,
-    help="Per served round, time the clients get to fill the pipeline before the clock.",
-)
-@click.option(
-    "--rounds",
-    type=click.IntRange(1),
-    default=3,
-    show_default=True,
-    help="Raw and served phases alternate this many times and are pooled.",
-)
-@click.option(
-    "--load-nice",
-    type=click.IntRange(0, 19),
-    default=0,
-    show_default=True,
-    help="Niceness added to the process running the encoder rows' clients.",
-)
+@cli.command(cls=GroupedCommand)
+@model_options(BenchConfig)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead.")
-@engine_options
-@encoder_options
-def bench(
-    tp: int,
-    transfer_images: tuple[int, ...],
-    transfer_requests: int,
-    concurrency: int,
-    served_seconds: float,
-    raw_seconds: float,
-    settle_seconds: float,
-    rounds: int,
-    load_nice: int,
-    as_json: bool,
-    **options: Any,
-) -> None:
+@server_options(*MODEL_GROUPS)
+def bench(as_json: bool, **options: Any) -> None:
     """Measure the served paths against their raw parts, side by side, in one run.
 
     Transfers: Mooncake transfer() vs /send of the same bytes (TP ranks at once, encoding
@@ -603,24 +262,11 @@ def bench(
     is reported. The defaults take about 2-3 minutes on 2 cores; run it on an idle machine.
     """
     setup_logging("WARNING")
-    from trio_encode.bench.server import BenchConfig, run_bench
+    own = given(options, model_fields(BenchConfig))
+    settings = load_settings(given(options, set(options) - set(own)))
+    config = build(BenchConfig, own, encoder=settings.encoder, engine=settings.engine)
+    from trio_encode.bench.server import run_bench
 
-    try:
-        config = BenchConfig(
-            encoder=_encoder_settings(options),
-            engine=_engine_settings(options),
-            tp=tp,
-            transfer_images=transfer_images,
-            transfer_requests=transfer_requests,
-            concurrency=concurrency,
-            served_seconds=served_seconds,
-            raw_seconds=raw_seconds,
-            settle_seconds=settle_seconds,
-            rounds=rounds,
-            load_nice=load_nice,
-        )
-    except ValueError as exc:
-        raise click.UsageError(str(exc)) from exc
     result = _run(run_bench, config)
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=2))
@@ -629,9 +275,10 @@ def bench(
 
 
 def _run(fn: Callable[..., Any], *args: Any) -> Any:
-    """``trio.run`` with start-up failures reported as one line, not a traceback, and an
-    interrupt (Ctrl-C, also one that arrives wrapped in an exception group) as exit 130."""
-    expected = (EngineError, RuntimeError, ValueError, OSError)
+    """``trio.run`` with start-up failures (a missing extra, a port in use, an engine that
+    will not start) reported as one line, not a traceback, and an interrupt (Ctrl-C, also one
+    that arrives wrapped in an exception group) as click's "Aborted!"."""
+    expected = (EngineError, RuntimeError, ValueError, OSError, ImportError)
     try:
         return trio.run(fn, *args)
     except KeyboardInterrupt:
@@ -655,7 +302,7 @@ def _leaves(group: BaseExceptionGroup[Exception]) -> list[BaseException]:
 
 
 def main() -> None:
-    cli()
+    cli(prog_name="trio-encode")
 
 
 if __name__ == "__main__":

@@ -17,8 +17,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import trio
+from pydantic import ConfigDict
+from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from trio_encode.arrivals import Arrivals
+from trio_encode.declare import setting
 from trio_encode.engine import TransferEngine
 from trio_encode.errors import EncodeNotArrived, InvalidInput, ShuttingDown
 from trio_encode.observer import LifecycleObserver, NullObserver
@@ -49,17 +52,44 @@ class Encoder(Protocol):
         ...
 
 
-@dataclass(frozen=True)
+@pydantic_dataclass(frozen=True, config=ConfigDict(extra="forbid"))
 class ServiceSettings:
-    send_timeout: float = 180.0
-    """Backstop deadline of a request scope, in seconds from its creation."""
-    shutdown_grace: float = 30.0
-    """How long shutdown lets live scopes finish before cancelling them."""
-    remember_released: int = 100_000
-    """How many ended req_ids are remembered (so late calls get 410, not a new scope)."""
-    remember_seconds: float = 3600.0
-    pull_timeout: float = 180.0
-    """How long a metadata pull waits for an ``/encode`` to name its ``req_id``."""
+    """What the request scopes obey."""
+
+    send_timeout: float = setting(
+        180.0,
+        group="server",
+        gt=0,
+        help="Seconds from a request's first /encode until its scope is ended whatever the "
+        "clients do (the backstop): waiting calls get 504, its memory is released.",
+    )
+    shutdown_grace: float = setting(
+        30.0,
+        group="server",
+        ge=0,
+        help="On SIGINT/SIGTERM, seconds live requests may still finish (new ones get 503) "
+        "before they are cut short.",
+    )
+    remember_released: int = setting(
+        100_000,
+        group="server",
+        ge=0,
+        help="Ended req_ids remembered, so a late call gets 410 rather than a new scope.",
+    )
+    remember_seconds: float = setting(
+        3600.0,
+        group="server",
+        ge=0,
+        help="Seconds an ended req_id is remembered for (see remember_released).",
+    )
+    pull_timeout: float = setting(
+        180.0,
+        group="server",
+        gt=0,
+        help="Seconds a metadata pull (/scheduler_receive_meta_data) for a req_id that no "
+        "/encode has named yet waits for one (then 504); once named, the request's own "
+        "deadline bounds the wait.",
+    )
 
 
 @dataclass(frozen=True)

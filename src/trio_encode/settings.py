@@ -1,78 +1,303 @@
-"""Every setting of a running server in one frozen value, built once by the CLI (or a test).
+"""Every setting of a running server in one frozen value, and where its values come from.
 
-Kept apart from the CLI so that in-process servers (tests, the demo) are configured with the
-same value and the same defaults as ``trio-encode serve``.
+Each setting is declared once, as a field of the settings model of the layer that obeys it:
+:class:`~trio_encode.service.ServiceSettings` (the scopes),
+:class:`~trio_encode.engine.mooncake.MooncakeSettings` (the transfer engine),
+:class:`~trio_encode.encoder.EncoderSettings` (the model, batching, cache, input limits) and
+:class:`ServerSettings` itself (HTTP and logging). :class:`ServerSettings` nests the other
+three and reads every field, under one flat name, from four places; the first that has it wins:
+
+1. a command-line flag (``--engine-protocol``), passed as a keyword argument;
+2. an environment variable (``TRIO_ENCODE_ENGINE_PROTOCOL``);
+3. the TOML file named by ``config`` (``engine_protocol = "rdma"``);
+4. the field's default.
+
+The flat name of a field is its own name, except in the engine's model, whose fields are
+prefixed ``engine_``. Values are checked once, by the models, whichever place they came from.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+import os
+import tomllib
+from collections.abc import Callable, Mapping
+from contextvars import ContextVar
+from dataclasses import asdict, dataclass
+from functools import cache
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal, cast
 
+from pydantic import AfterValidator, BeforeValidator, Field, model_validator
+from pydantic.fields import FieldInfo
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    SettingsError,
+)
+
+from trio_encode.declare import Group, setting
 from trio_encode.encoder.settings import EncoderSettings
 from trio_encode.engine.mooncake import MooncakeSettings
 from trio_encode.service import ServiceSettings
+from trio_encode.sizes import ByteSize, MiB
 
-MiB = 1 << 20
+ENV_PREFIX = "TRIO_ENCODE_"
 
 LogFormat = Literal["kv", "json"]
+LogLevel = Annotated[
+    Literal["DEBUG", "INFO", "WARNING", "ERROR"],
+    BeforeValidator(lambda value: value.upper() if isinstance(value, str) else value),
+]
+
+
+def _not_empty(token: str | None) -> str | None:
+    if token == "":
+        raise ValueError("must not be empty (leave it unset to disable auth)")
+    return token
+
+
+SECTIONS: dict[str, tuple[type[Any], str]] = {
+    "service": (ServiceSettings, ""),
+    "engine": (MooncakeSettings, "engine_"),
+    "encoder": (EncoderSettings, ""),
+}
+"""The nested settings models: the field of :class:`ServerSettings` that holds each, its model,
+and the prefix of its fields' flat names."""
+
+
+class ServerSettings(BaseSettings):
+    """How the HTTP server, the request scopes, the transfer engine and the encoder are set up.
+
+    Built with keyword arguments (flat names, or whole ``service``/``engine``/``encoder``
+    values), it also reads ``TRIO_ENCODE_*`` variables and the ``config`` file for what the
+    arguments leave out.
+    """
+
+    model_config = SettingsConfigDict(frozen=True, extra="forbid")
+
+    config: Path | None = setting(
+        None,
+        group="server",
+        help="A TOML file of settings, keyed by the flags' names with underscores (e.g. "
+        'port = 9000, engine_protocol = "rdma", cache_bytes = "1GiB"); flags and '
+        "TRIO_ENCODE_* variables override it.",
+    )
+    host: str = setting("127.0.0.1", group="server", help="Address to listen on.")
+    port: int = setting(
+        8000,
+        group="server",
+        ge=0,
+        le=65535,
+        help="Port to listen on; 0 picks a free one and logs it.",
+    )
+    max_body_bytes: ByteSize = setting(
+        64 * MiB, group="server", gt=0, help="Larger request bodies are refused with 413."
+    )
+    token: Annotated[str | None, AfterValidator(_not_empty)] = setting(
+        None,
+        group="server",
+        flags=("--api-key",),
+        repr=False,
+        help="Require 'Authorization: Bearer TOKEN' on /encode and /send (/health and "
+        "/metrics stay open).",
+    )
+    log_level: LogLevel = setting("INFO", group="logging", help="Least severe log lines shown.")
+    log_format: LogFormat = setting(
+        "kv", group="logging", help="key=value lines for people, JSON lines for log shippers."
+    )
+    access_log: bool = setting(
+        True,
+        group="logging",
+        help="Log one line per HTTP request (method, path, status, duration, bytes, req_id).",
+    )
+    service: ServiceSettings = Field(default_factory=ServiceSettings)
+    engine: MooncakeSettings = Field(default_factory=MooncakeSettings)
+    encoder: EncoderSettings = Field(default_factory=EncoderSettings)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nest(cls, data: Any) -> Any:
+        return nest(data) if isinstance(data, Mapping) else data
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Arguments, then ``TRIO_ENCODE_*`` variables, then the config file: each read by
+        flat name and nested here, so a whole section passed as an argument wins over a
+        variable naming one of its fields."""
+        arguments = getattr(init_settings, "init_kwargs", {})
+        given = _Layer(settings_cls, lambda _: arguments)
+        if not _read_outside.get():
+            return (given,)
+        return (
+            given,
+            _Layer(settings_cls, lambda _: _from_environ(os.environ)),
+            _Layer(settings_cls, _from_config_file),
+        )
+
+    @classmethod
+    def exactly(cls, **values: Any) -> ServerSettings:
+        """These values over the defaults, reading no variable and no config file: for an
+        in-process server whose own clients must agree with it (the bench's, a test's), which
+        a ``TRIO_ENCODE_TOKEN`` in the environment would otherwise lock them out of."""
+        reset = _read_outside.set(False)
+        try:
+            return cls(**values)
+        finally:
+            _read_outside.reset(reset)
+
+
+_read_outside: ContextVar[bool] = ContextVar("read_outside", default=True)
+"""Whether :class:`ServerSettings` reads variables and the config file (see ``exactly``)."""
 
 
 @dataclass(frozen=True)
-class ServerSettings:
-    """How the HTTP server, the request scopes and the transfer engine are set up."""
+class Setting:
+    """One setting as the outside sees it: its flat name, flag, variable and declaration."""
 
-    host: str = "127.0.0.1"
-    port: int = 8000
-    """0 picks a free port; the bound address is logged and reported to in-process callers."""
-    send_timeout: float = 180.0
-    """Backstop deadline of a request scope, in seconds from its creation."""
-    pull_timeout: float = 180.0
-    """How long a metadata pull (``/scheduler_receive_meta_data``) for a ``req_id`` that no
-    ``/encode`` has named yet waits for one, in seconds (then 504). Once named, the request's
-    own deadline bounds the wait."""
-    shutdown_grace: float = 30.0
-    """On shutdown, how long live scopes may keep serving their siblings' sends."""
-    max_body_bytes: int = 64 * MiB
-    """Larger request bodies are refused with 413 before they are parsed."""
-    token: str | None = None
-    """When set, /encode and /send need ``Authorization: Bearer <token>``."""
-    media_dir: Path | None = None
-    """When set, ``mm_items`` may name image files inside this directory."""
-    engine: MooncakeSettings = field(default_factory=MooncakeSettings)
-    encoder: EncoderSettings = field(default_factory=EncoderSettings)
-    log_level: str = "INFO"
-    log_format: LogFormat = "kv"
-    access_log: bool = True
-    """Log one line per answered HTTP request (method, path, status, duration, bytes)."""
-    engine_log_level: str = "ERROR"
-    """Least severe Mooncake log line shown (its ``MC_LOG_LEVEL``): INFO, WARNING or ERROR."""
+    name: str
+    """The flat name: a keyword of :class:`ServerSettings` and a key of the config file."""
+    section: str | None
+    """The field of :class:`ServerSettings` whose model declares it (None: declared there)."""
+    field: str
+    """Its name in the declaring model."""
+    info: FieldInfo
+    env: str | None
+    """Its ``TRIO_ENCODE_*`` variable; None for a command's own flags (the demo's, the
+    bench's), which only the command line sets."""
 
-    def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in 0..65535, got {self.port}")
-        if not self.send_timeout > 0:
-            raise ValueError(f"send_timeout must be positive, got {self.send_timeout}")
-        if not self.pull_timeout > 0:
-            raise ValueError(f"pull_timeout must be positive, got {self.pull_timeout}")
-        if self.shutdown_grace < 0:
-            raise ValueError(f"shutdown_grace must be >= 0, got {self.shutdown_grace}")
-        if self.max_body_bytes <= 0:
-            raise ValueError(f"max_body_bytes must be positive, got {self.max_body_bytes}")
-        if self.token == "":
-            raise ValueError("token must not be empty (leave it unset to disable auth)")
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
 
-    def encoder_settings(self) -> EncoderSettings:
-        """The encoder's settings, with the server's ``media_dir`` (if set) applied."""
-        if self.media_dir is None:
-            return self.encoder
-        return replace(self.encoder, media_dir=self.media_dir)
+    @property
+    def group(self) -> Group:
+        return cast(Group, _extra(self.info)["group"])
 
-    def service_settings(self) -> ServiceSettings:
-        """The part of these settings that the request scopes obey."""
-        return ServiceSettings(
-            send_timeout=self.send_timeout,
-            shutdown_grace=self.shutdown_grace,
-            pull_timeout=self.pull_timeout,
-        )
+    @property
+    def aliases(self) -> tuple[str, ...]:
+        """Other flags it answers to."""
+        return tuple(_extra(self.info).get("flags", ()))
+
+
+def _extra(info: FieldInfo) -> dict[str, Any]:
+    return info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+
+
+def model_fields(model: type[Any]) -> dict[str, FieldInfo]:
+    """The declared fields of a pydantic model or pydantic dataclass."""
+    return cast(dict[str, FieldInfo], model.__pydantic_fields__)
+
+
+@cache
+def catalog() -> tuple[Setting, ...]:
+    """Every setting of :class:`ServerSettings`, sections flattened, in declaration order."""
+    found: list[Setting] = []
+    for name, info in ServerSettings.model_fields.items():
+        if name in SECTIONS:
+            model, prefix = SECTIONS[name]
+            for field, inner in model_fields(model).items():
+                flat = prefix + field
+                found.append(Setting(flat, name, field, inner, ENV_PREFIX + flat.upper()))
+        else:
+            found.append(Setting(name, None, name, info, ENV_PREFIX + name.upper()))
+    for entry in found:
+        if "group" not in _extra(entry.info):
+            raise TypeError(f"setting {entry.name!r} is not declared with declare.setting()")
+    return tuple(found)
+
+
+@cache
+def _by_name() -> dict[str, Setting]:
+    return {entry.name: entry for entry in catalog()}
+
+
+def nest(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """Flat names to :class:`ServerSettings`' shape: ``{"engine_protocol": "rdma"}`` becomes
+    ``{"engine": {"protocol": "rdma"}}``. A section given whole keeps its own values for the
+    fields no flat name overrides; unknown names are left for validation to refuse."""
+    nested: dict[str, Any] = {}
+    for key, value in flat.items():
+        if key in SECTIONS:
+            given = asdict(value) if isinstance(value, SECTIONS[key][0]) else value
+            nested[key] = {**nested.get(key, {}), **given} if isinstance(given, dict) else given
+    for key, value in flat.items():
+        entry = _by_name().get(key)
+        if key in SECTIONS:
+            continue
+        if entry is None or entry.section is None:
+            nested[key] = value
+        else:
+            section = nested.setdefault(entry.section, {})
+            if isinstance(section, dict):
+                section[entry.field] = value
+    return nested
+
+
+def _from_environ(environ: Mapping[str, str]) -> dict[str, str]:
+    """``TRIO_ENCODE_<NAME>`` for every setting that has one; empty values count as unset."""
+    found = {}
+    for entry in catalog():
+        value = environ.get(entry.env or "", "")
+        if value != "":
+            found[entry.name] = value
+    return found
+
+
+def _from_config_file(state: Mapping[str, Any]) -> dict[str, Any]:
+    """The TOML file named by ``config`` in an argument or a variable (the file itself cannot
+    name another)."""
+    path = state.get("config")
+    if path is None:
+        return {}
+    try:
+        with Path(path).open("rb") as file:
+            data = tomllib.load(file)
+    except (OSError, tomllib.TOMLDecodeError) as error:
+        raise SettingsError(f"config file {path}: {error}") from error
+    if "config" in data:
+        raise SettingsError(f"config file {path}: a config file cannot name another")
+    return data
+
+
+class _Layer(PydanticBaseSettingsSource):
+    """One source of flat values, handed to pydantic-settings nested; ``read`` gets what the
+    sources before it found (the config file's path comes from there)."""
+
+    def __init__(
+        self,
+        settings_cls: type[BaseSettings],
+        read: Callable[[Mapping[str, Any]], Mapping[str, Any]],
+    ) -> None:
+        super().__init__(settings_cls)
+        self._read = read
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        raise NotImplementedError  # the values come whole from __call__
+
+    def __call__(self) -> dict[str, Any]:
+        return nest(self._read(self.current_state))
+
+
+def describe_error(loc: tuple[int | str, ...]) -> str:
+    """Where a setting a validation error points at is set: ``--port / TRIO_ENCODE_PORT``."""
+    names = [str(part) for part in loc]
+    if names and names[0] in SECTIONS and len(names) == 1:
+        return f"{names[0]} settings"
+    if names and names[0] in SECTIONS:
+        name = SECTIONS[names[0]][1] + names[1]
+    elif names:
+        name = names[0]
+    else:
+        return "settings"
+    entry = _by_name().get(name)
+    if entry is None:
+        return repr(name)
+    return f"{entry.flag} / {entry.env} / {entry.name!r} in the config file"

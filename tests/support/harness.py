@@ -54,7 +54,7 @@ async def serving(
 ) -> AsyncIterator[Harness]:
     """A server on ``127.0.0.1:0`` for the body of the ``async with``, and a client for it."""
     encoder = encoder if encoder is not None else StandInEncoder()
-    config = ServerSettings(port=0, **settings)
+    config = ServerSettings.exactly(port=0, **settings)
     async with (
         open_server(config, engine=engine, encoder=encoder) as running,
         EncodeClient(running.url, token=config.token) as client,

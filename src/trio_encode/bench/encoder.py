@@ -226,27 +226,23 @@ def run_encoder_bench(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--raw-batches", type=int, default=2, help="raw batches per round")
-    parser.add_argument("--seconds", type=float, default=15.0, help="served time, all rounds")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
-    parser.add_argument("--max-batch-wait", type=float, default=0.005)
-    args = parser.parse_args(argv)
-    settings = EncoderSettings(
-        dtype=args.dtype, torch_threads=args.threads, max_batch_wait=args.max_batch_wait
+    """Options left out take the defaults of :func:`run_encoder_bench` and of
+    :class:`EncoderSettings`; none is restated here."""
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0] if __doc__ else None,
+        argument_default=argparse.SUPPRESS,
     )
-    result = run_encoder_bench(
-        settings,
-        batch_size=args.batch_size,
-        concurrency=args.concurrency,
-        raw_batches=args.raw_batches,
-        served_seconds=args.seconds,
-        rounds=args.rounds,
-    )
+    parser.add_argument("--batch-size", type=int)
+    parser.add_argument("--concurrency", type=int)
+    parser.add_argument("--raw-batches", type=int, help="raw batches per round")
+    parser.add_argument("--served-seconds", type=float, help="served time, all rounds")
+    parser.add_argument("--rounds", type=int)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"))
+    parser.add_argument("--torch-threads", type=int, help="torch.set_num_threads")
+    parser.add_argument("--max-batch-wait", type=float)
+    given = vars(parser.parse_args(argv))
+    encoder = {k: given.pop(k) for k in ("dtype", "torch_threads", "max_batch_wait") if k in given}
+    result = run_encoder_bench(EncoderSettings(**encoder), **given)
     print(result.report())
     print({**asdict(result), "ratio": round(result.ratio, 4)})
 

@@ -38,7 +38,6 @@ from PIL import Image, ImageDraw, ImageFilter
 from trio_encode.client import EncodeClient, LandingPool, LandingSlot
 from trio_encode.client.http import answer_of
 from trio_encode.engine.mooncake import MooncakeEngine, MooncakeSettings
-from trio_encode.engine.threads import ThreadSettings
 
 _JSON = {"Content-Type": "application/json"}
 IMAGES_PER_CLIENT = 8
@@ -53,8 +52,8 @@ class LoadConfig:
     image_size: int
     bytes_per_image: int
     engine: MooncakeSettings
-    nice: int = 0
-    """Added to the child's niceness."""
+    nice: int
+    """Added to the child's niceness (the bench's ``load_nice``)."""
     seed: int = 0
 
 
@@ -124,10 +123,7 @@ class _Lines:
 
 async def _child(lines: _Lines) -> None:
     raw = json.loads(await lines.read())
-    threads = ThreadSettings(**raw["engine"]["threads"])
-    config = LoadConfig(
-        **{**raw, "engine": MooncakeSettings(**{**raw["engine"], "threads": threads})}
-    )
+    config = LoadConfig(**{**raw, "engine": MooncakeSettings(**raw["engine"])})
     os.nice(config.nice)
     jpegs = natural_jpegs(config.concurrency * IMAGES_PER_CLIENT, config.image_size, config.seed)
     items = [_item_json(jpeg) for jpeg in jpegs]

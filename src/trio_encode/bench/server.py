@@ -38,72 +38,21 @@ import httpx
 import torch
 import trio
 
+from trio_encode.bench.config import BenchConfig
 from trio_encode.bench.encoder import distinct_pngs, measure_raw_for
 from trio_encode.bench.load import LoadConfig, LoadProcess, open_load
 from trio_encode.client import EncodeClient, LandingPool, LandingSlot, metric_value
 from trio_encode.encoder import EncoderSettings, ImageEncoder, VisionBackend, load_backend
-from trio_encode.engine.mooncake import MooncakeEngine, MooncakeSettings
+from trio_encode.engine.mooncake import MooncakeEngine
 from trio_encode.server.metrics import Metrics
 from trio_encode.server.serve import RunningServer, open_server
+from trio_encode.service import ServiceSettings
 from trio_encode.settings import ServerSettings
 
 ENCODER_TARGET = 0.9
-"""The served/raw encoder throughput the issue asks for."""
+"""The served/raw encoder throughput aimed for."""
 _SEND_WINDOW = 16
 """req_ids encoded ahead of their timed sends: bounds the embeddings held at once."""
-
-
-@dataclass(frozen=True)
-class BenchConfig:
-    """What to run; the defaults take about 2-3 minutes on 2 CPU cores."""
-
-    encoder: EncoderSettings = field(default_factory=EncoderSettings)
-    """The model and batching (``max_batch_size`` is the B of both encoder sides). The
-    encoder rows run with the cache off; the transfer rows' server caches their one image."""
-    engine: MooncakeSettings = field(default_factory=MooncakeSettings)
-    tp: int = 4
-    """Receiver ranks: the concurrency of both transfer sides."""
-    transfer_images: tuple[int, ...] = (1, 4)
-    """Images per request in the transfer rows: the bytes of one transfer are this many
-    images' embeddings (1.6 MB each with the default model)."""
-    transfer_requests: int = 64
-    """req_ids per round and size; each rank sends each, so TP x this many transfers."""
-    concurrency: int = 16
-    """HTTP clients calling /encode (then /send) in a loop, each with its own image."""
-    served_seconds: float = 60.0
-    """Measured /encode time over all rounds."""
-    raw_seconds: float = 15.0
-    """Measured raw forward time over all rounds."""
-    settle_seconds: float = 1.0
-    """Per served round, time for the clients to fill the pipeline before the clock starts."""
-    rounds: int = 3
-    probe_interval: float = 0.05
-    """Seconds between two /health probes."""
-    load_nice: int = 0
-    """Niceness added to the encoder rows' load process (0: measured faster than 10)."""
-
-    def __post_init__(self) -> None:
-        counts = {
-            "tp": self.tp,
-            "transfer_requests": self.transfer_requests,
-            "concurrency": self.concurrency,
-            "rounds": self.rounds,
-        }
-        for name, value in counts.items():
-            if value < 1:
-                raise ValueError(f"{name} must be at least 1, got {value}")
-        if not self.transfer_images or min(self.transfer_images) < 1:
-            raise ValueError("transfer_images must name at least one positive image count")
-        for name, seconds in (
-            ("served_seconds", self.served_seconds),
-            ("raw_seconds", self.raw_seconds),
-        ):
-            if not seconds > 0:
-                raise ValueError(f"{name} must be positive, got {seconds}")
-        if not 0 <= self.load_nice <= 19:
-            raise ValueError(f"load_nice must be in 0..19, got {self.load_nice}")
-        if self.settle_seconds < 0 or not self.probe_interval > 0:
-            raise ValueError("settle_seconds must be >= 0 and probe_interval positive")
 
 
 @dataclass(frozen=True)
@@ -340,8 +289,12 @@ async def _open_rig(
     metrics = _BenchMetrics()
     engine = await MooncakeEngine.create(config.engine)
     encoder = ImageEncoder(backend, settings, observer=metrics)
-    server_settings = ServerSettings(
-        port=0, engine=config.engine, encoder=settings, shutdown_grace=5.0
+    server_settings = ServerSettings.exactly(
+        port=0,
+        engine=config.engine,
+        encoder=settings,
+        service=ServiceSettings(shutdown_grace=5.0),
+        access_log=False,
     )
     async with AsyncExitStack() as stack:
         running = await stack.enter_async_context(

@@ -1,18 +1,53 @@
-"""Every knob of the encoder in one frozen value, checked once when it is built."""
+"""Every knob of the encoder in one frozen value, checked once when it is built.
+
+Each field is declared with :func:`~trio_encode.declare.setting`, so it is also a flag of
+``trio-encode serve``, a ``TRIO_ENCODE_*`` variable and a key of the config file, under the
+same name.
+"""
 
 from __future__ import annotations
 
 import ipaddress
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal, Self
+
+from pydantic import AfterValidator, BeforeValidator, ConfigDict, model_validator
+from pydantic.dataclasses import dataclass
+
+from trio_encode.declare import setting
+from trio_encode.sizes import ByteSize, MiB
 
 DType = Literal["float32", "bfloat16"]
 
-MiB = 1 << 20
+
+def _existing_dir(path: Path) -> Path:
+    if not path.is_dir():
+        raise ValueError(f"{path} is not a directory")
+    return path
 
 
-@dataclass(frozen=True)
+ExistingDir = Annotated[Path, AfterValidator(_existing_dir)]
+
+
+def _comma_list(value: Any) -> Any:
+    """``"a,b"`` (a flag or a variable) -> ``("a", "b")``; a list (the config file) as is."""
+    if isinstance(value, str):
+        return tuple(part.strip() for part in value.split(",") if part.strip())
+    return value
+
+
+def _cidr(network: str) -> str:
+    ipaddress.ip_network(network, strict=False)  # raises ValueError naming the bad one
+    return network
+
+
+Names = Annotated[tuple[str, ...], BeforeValidator(_comma_list)]
+Networks = Annotated[
+    tuple[Annotated[str, AfterValidator(_cidr)], ...], BeforeValidator(_comma_list)
+]
+
+
+@dataclass(frozen=True, config=ConfigDict(extra="forbid"))
 class EncoderSettings:
     """Model shape, batching, cache and input limits.
 
@@ -21,104 +56,161 @@ class EncoderSettings:
     """
 
     # The built-in model (ignored when ``hf_model_dir`` is set).
-    image_size: int = 224
-    patch_size: int = 16
-    width: int = 384
-    depth: int = 6
-    heads: int = 6
-    mlp_ratio: float = 4.0
-    hidden_size: int = 2048
-    """The language model's hidden size: the projector's output width."""
-    dtype: DType = "float32"
-    seed: int = 0
-    """Weights are drawn from this seed unless ``weights`` is given."""
-    weights: Path | None = None
-    """A safetensors file saved by :func:`trio_encode.encoder.model.save_weights`."""
+    image_size: int = setting(
+        224,
+        group="model",
+        gt=0,
+        help="Built-in ViT: side in pixels every image is resized to; a multiple of "
+        "patch_size. Ignored with hf_model_dir (the model's config decides).",
+    )
+    patch_size: int = setting(
+        16,
+        group="model",
+        gt=0,
+        help="Built-in ViT: patch side; tokens per image = (image_size / patch_size)^2.",
+    )
+    width: int = setting(
+        384, group="model", gt=0, help="Built-in ViT: transformer width (a multiple of heads)."
+    )
+    depth: int = setting(6, group="model", gt=0, help="Built-in ViT: transformer layers.")
+    heads: int = setting(6, group="model", gt=0, help="Built-in ViT: attention heads.")
+    mlp_ratio: float = setting(
+        4.0, group="model", gt=0, help="Built-in ViT: MLP width as a multiple of width."
+    )
+    hidden_size: int = setting(
+        2048,
+        group="model",
+        gt=0,
+        help="The language model's hidden size: the width of every embedding row sent to "
+        "prefill ranks (the projector's output).",
+    )
+    dtype: DType = setting(
+        "float32",
+        group="model",
+        help="Dtype of the model and of the embeddings sent; bfloat16 halves the bytes moved.",
+    )
+    seed: int = setting(
+        0,
+        group="model",
+        help="Built-in ViT: seed its random weights are drawn from (unless weights is given); "
+        "servers with the same seed produce the same embeddings.",
+    )
+    weights: Path | None = setting(
+        None,
+        group="model",
+        help="Built-in ViT: a safetensors file of its weights (saved by "
+        "trio_encode.encoder.model.save_weights) instead of seeded random ones.",
+    )
 
     # A real vision tower instead of the built-in one.
-    hf_model_dir: Path | None = None
-    """A local CLIP or SigLIP vision model in Hugging Face format (needs ``transformers``)."""
-    hf_feature_layer: int = -1
-    """Which hidden layer to return (-1 the last; LLaVA uses -2)."""
+    hf_model_dir: ExistingDir | None = setting(
+        None,
+        group="model",
+        help="Serve a local CLIP or SigLIP vision tower in Hugging Face format instead of the "
+        "built-in ViT (needs the 'hf' extra; nothing is downloaded).",
+    )
+    hf_feature_layer: int = setting(
+        -1,
+        group="model",
+        help="With hf_model_dir: hidden layer whose states are returned (-1 the last; "
+        "LLaVA uses -2).",
+    )
 
     # Batching.
-    max_batch_size: int = 8
-    """Images per forward pass."""
-    max_batch_wait: float = 0.005
-    """Seconds the oldest queued image waits for others to fill its batch."""
-    queue_size: int = 64
-    """Images waiting for a forward pass (or being decoded for one); beyond it: Overloaded."""
-    torch_threads: int | None = None
-    """``torch.set_num_threads`` at load; ``None`` leaves torch's default."""
-    warmup: bool = True
-    """Run one forward before reporting ready, so the first request pays no start-up cost."""
+    max_batch_size: int = setting(
+        8,
+        group="batching",
+        gt=0,
+        help="Images per forward pass, gathered across concurrent requests.",
+    )
+    max_batch_wait: float = setting(
+        0.005,
+        group="batching",
+        ge=0,
+        help="Seconds the oldest queued image may wait for others to fill its batch: latency "
+        "traded for throughput.",
+    )
+    queue_size: int = setting(
+        64,
+        group="batching",
+        gt=0,
+        help="Images that may wait for (or be decoded for) a forward pass; more get 503, so a "
+        "burst is refused quickly instead of timing out. Also the most images per request.",
+    )
+    torch_threads: int | None = setting(
+        None,
+        group="batching",
+        gt=0,
+        help="torch.set_num_threads for the forward pass (default: torch's own, one per core). "
+        "Lower it to leave cores to image decoding and the event loop.",
+    )
+    warmup: bool = setting(
+        True,
+        group="batching",
+        help="Run one forward before reporting ready, so the first request pays no start-up cost.",
+    )
 
     # Cache.
-    cache_bytes: int = 256 * MiB
-    """Bytes of embeddings kept for repeated images; 0 disables the cache."""
+    cache_bytes: ByteSize = setting(
+        256 * MiB,
+        group="cache",
+        ge=0,
+        help="Embeddings kept for repeated images (keyed by content); 0 disables the cache.",
+    )
 
     # Input limits.
-    max_image_bytes: int = 20 * MiB
-    """Encoded bytes of one image."""
-    max_image_pixels: int = 40_000_000
-    """Width x height of one image, checked before decoding (decompression bombs)."""
-    media_dir: Path | None = None
-    """When set, ``mm_items`` may also name files inside this directory (and nowhere else)."""
+    max_image_bytes: ByteSize = setting(
+        20 * MiB, group="server", gt=0, help="Encoded size of one image; larger ones get 400."
+    )
+    max_image_pixels: int = setting(
+        40_000_000,
+        group="server",
+        gt=0,
+        help="Width x height of one image, checked before decoding (decompression bombs); "
+        "larger ones get 400.",
+    )
+    media_dir: ExistingDir | None = setting(
+        None,
+        group="server",
+        help="Also accept mm_items that are paths of image files inside this directory (and "
+        "nowhere else).",
+    )
 
     # Remote images (``http(s)://`` items), fetched under these rules; see encoder/fetch.py.
-    remote_fetch: bool = False
-    """Fetch ``http(s)://`` items; off by default, so clients cannot make the server connect
-    anywhere."""
-    remote_hosts: tuple[str, ...] = ()
-    """When non-empty, the only host names that may be fetched."""
-    remote_private_networks: tuple[str, ...] = ()
-    """CIDR networks outside the public internet (private, loopback, link-local) that fetches
-    may still reach; every other non-public address is refused."""
-    remote_timeout: float = 10.0
-    """Seconds one item's fetch may take, redirects included."""
-    remote_max_redirects: int = 3
-    """Redirects one fetch may follow (each hop is checked like the first URL)."""
+    remote_fetch: bool = setting(
+        False,
+        group="server",
+        help="Fetch http(s):// items in mm_items; off by default, so clients cannot make the "
+        "server connect anywhere.",
+    )
+    remote_hosts: Names = setting(
+        (),
+        group="server",
+        help="With remote_fetch: when set, the only host names that may be fetched "
+        "(comma-separated).",
+    )
+    remote_private_networks: Networks = setting(
+        (),
+        group="server",
+        help="With remote_fetch: CIDR networks outside the public internet (private, loopback, "
+        "link-local) that fetches may still reach; every other non-public address is refused.",
+    )
+    remote_timeout: float = setting(
+        10.0, group="server", gt=0, help="Seconds one item's fetch may take, redirects included."
+    )
+    remote_max_redirects: int = setting(
+        3,
+        group="server",
+        ge=0,
+        help="Redirects one fetch may follow (each hop is checked like the first URL).",
+    )
 
-    def __post_init__(self) -> None:
-        positive = {
-            "image_size": self.image_size,
-            "patch_size": self.patch_size,
-            "width": self.width,
-            "depth": self.depth,
-            "heads": self.heads,
-            "hidden_size": self.hidden_size,
-            "max_batch_size": self.max_batch_size,
-            "queue_size": self.queue_size,
-            "max_image_bytes": self.max_image_bytes,
-            "max_image_pixels": self.max_image_pixels,
-        }
-        for name, value in positive.items():
-            if value <= 0:
-                raise ValueError(f"{name} must be positive, got {value}")
+    @model_validator(mode="after")
+    def _shapes_fit(self) -> Self:
         if self.image_size % self.patch_size:
             raise ValueError(
                 f"image_size {self.image_size} is not a multiple of patch_size {self.patch_size}"
             )
         if self.width % self.heads:
             raise ValueError(f"width {self.width} is not divisible by heads {self.heads}")
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
-        if self.mlp_ratio <= 0:
-            raise ValueError(f"mlp_ratio must be positive, got {self.mlp_ratio}")
-        if self.max_batch_wait < 0:
-            raise ValueError(f"max_batch_wait must be >= 0, got {self.max_batch_wait}")
-        if self.cache_bytes < 0:
-            raise ValueError(f"cache_bytes must be >= 0, got {self.cache_bytes}")
-        if not self.remote_timeout > 0:
-            raise ValueError(f"remote_timeout must be positive, got {self.remote_timeout}")
-        if self.remote_max_redirects < 0:
-            raise ValueError(f"remote_max_redirects must be >= 0, got {self.remote_max_redirects}")
-        for network in self.remote_private_networks:
-            try:
-                ipaddress.ip_network(network, strict=False)
-            except ValueError:
-                raise ValueError(
-                    f"remote_private_networks: {network!r} is not a CIDR network"
-                ) from None
-        if self.torch_threads is not None and self.torch_threads <= 0:
-            raise ValueError(f"torch_threads must be positive, got {self.torch_threads}")
+        return self

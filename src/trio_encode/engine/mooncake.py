@@ -10,21 +10,18 @@ to finish, and sees the cancellation at its next checkpoint.
 from __future__ import annotations
 
 import importlib
-import logging
 import os
 import sys
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 import trio
+from pydantic import AfterValidator, ConfigDict
+from pydantic.dataclasses import dataclass
 
+from trio_encode.declare import setting
 from trio_encode.engine.base import EngineError
 from trio_encode.engine.threads import EngineThreads, ThreadSettings
 
-log = logging.getLogger(__name__)
-
-ENGINE_LOG_LEVELS = ("INFO", "WARNING", "ERROR")
-"""The levels Mooncake's ``MC_LOG_LEVEL`` understands (it ignores any other value)."""
 _INSTALL_HINT = (
     "the Mooncake transfer engine is not usable: {error}. Install it with "
     "`pip install 'trio-encode[mooncake]'` (or `trio-encode[mooncake-cuda]` on CUDA hosts); "
@@ -33,25 +30,15 @@ _INSTALL_HINT = (
 )
 
 
-def set_engine_log_level(level: str) -> None:
-    """Make Mooncake log only at ``level`` and above (its ``MC_LOG_LEVEL``).
-
-    Mooncake reads the variable once, when its module is imported, so this must run before
-    the first engine is created; afterwards it cannot take effect, and says so.
-    """
-    level = level.upper()
-    if level not in ENGINE_LOG_LEVELS:
-        raise ValueError(
-            f"engine log level must be one of {', '.join(ENGINE_LOG_LEVELS)}, got {level!r}"
-        )
-    if "mooncake.engine" in sys.modules and os.environ.get("MC_LOG_LEVEL") != level:
-        log.warning("Mooncake is already loaded: its log level stays as it was, not %s", level)
-    os.environ["MC_LOG_LEVEL"] = level
-
-
-def _load_mooncake_engine_class() -> Any:
+def _load_mooncake_engine_class(log_level: str) -> Any:
     """Import Mooncake only when an engine is created, so the rest of the package (and the
-    in-memory engine) works on hosts without it; a failure names the fix."""
+    in-memory engine) works on hosts without it; a failure names the fix.
+
+    Mooncake reads ``MC_LOG_LEVEL`` once, when its module loads, so the level is exported
+    just before the first import and later engines in the process share it.
+    """
+    if "mooncake.engine" not in sys.modules:
+        os.environ["MC_LOG_LEVEL"] = log_level
     try:
         module = importlib.import_module("mooncake.engine")
     except (ImportError, OSError) as error:  # OSError: a shared library that will not load
@@ -59,17 +46,76 @@ def _load_mooncake_engine_class() -> Any:
     return module.TransferEngine
 
 
-@dataclass(frozen=True)
-class MooncakeSettings:
-    """Arguments of Mooncake's ``initialize``; the defaults suit TCP on loopback with no
-    metadata server (peers exchange descriptors directly, ``P2PHANDSHAKE``)."""
+_ENGINE_LOG_LEVELS = ("TRACE", "INFO", "WARNING", "ERROR")
 
-    hostname: str = "127.0.0.1"
-    metadata_server: str = "P2PHANDSHAKE"
-    protocol: str = "tcp"
-    device_name: str = ""
-    threads: ThreadSettings = field(default_factory=ThreadSettings)
-    """Worker threads for transfers and for (de)registration, and the bound per receiver."""
+
+def _engine_log_level(level: str) -> str:
+    if level.upper() not in _ENGINE_LOG_LEVELS:
+        raise ValueError(f"{level!r} is not one of {', '.join(_ENGINE_LOG_LEVELS)}")
+    return level.upper()
+
+
+EngineLogLevel = Annotated[str, AfterValidator(_engine_log_level)]
+
+
+@dataclass(frozen=True, config=ConfigDict(extra="forbid"))
+class MooncakeSettings:
+    """Arguments of Mooncake's ``initialize``, and its log level; the defaults suit TCP on
+    loopback with no metadata server (peers exchange descriptors directly, ``P2PHANDSHAKE``).
+
+    As flags, variables and config keys these are named ``engine_<field>``.
+    """
+
+    protocol: str = setting(
+        "tcp", group="engine", help="Mooncake transport: tcp, or rdma where the NICs support it."
+    )
+    metadata_server: str = setting(
+        "P2PHANDSHAKE",
+        group="engine",
+        help="Mooncake metadata server; P2PHANDSHAKE needs none (peers exchange descriptors).",
+    )
+    device: str = setting(
+        "",
+        group="engine",
+        help="RDMA device names for Mooncake (empty: let it choose; unused over tcp).",
+    )
+    hostname: str = setting(
+        "127.0.0.1",
+        group="engine",
+        help="Address receivers reach this server's transfer engine at (its session_id host).",
+    )
+    log_level: EngineLogLevel = setting(
+        "ERROR",
+        group="engine",
+        help="Least severe of Mooncake's own log lines shown (TRACE, INFO, WARNING, ERROR); "
+        "exported as MC_LOG_LEVEL, replacing any value there, before Mooncake first loads in "
+        "the process.",
+    )
+    transfer_threads: int = setting(
+        ThreadSettings.transfer_threads,
+        group="engine",
+        ge=1,
+        help="Worker threads for transfers across all receivers.",
+    )
+    control_threads: int = setting(
+        ThreadSettings.control_threads,
+        group="engine",
+        ge=1,
+        help="Worker threads for register and deregister calls, kept apart so that releasing "
+        "memory never waits behind transfers.",
+    )
+    sends_per_session: int = setting(
+        ThreadSettings.sends_per_session,
+        group="engine",
+        ge=1,
+        help="Transfers in flight to any one receiver engine: a rank that stops answering holds "
+        "at most this many threads until Mooncake's own timeout fails them.",
+    )
+
+    @property
+    def threads(self) -> ThreadSettings:
+        """The thread pools' sizes (see :mod:`trio_encode.engine.threads`)."""
+        return ThreadSettings(self.transfer_threads, self.control_threads, self.sends_per_session)
 
 
 class MooncakeEngine:
@@ -89,14 +135,14 @@ class MooncakeEngine:
         """Create and initialise an engine in a worker thread (initialisation opens sockets
         and may probe devices, which blocks)."""
         settings = settings if settings is not None else MooncakeSettings()
-        engine_class = _load_mooncake_engine_class()
+        engine_class = _load_mooncake_engine_class(settings.log_level)
         raw = engine_class()
         code = await trio.to_thread.run_sync(
             raw.initialize,
             settings.hostname,
             settings.metadata_server,
             settings.protocol,
-            settings.device_name,
+            settings.device,
             abandon_on_cancel=False,
         )
         if code != 0:
@@ -105,7 +151,7 @@ class MooncakeEngine:
                 int(code),
                 detail=(
                     f"hostname={settings.hostname} metadata_server={settings.metadata_server} "
-                    f"protocol={settings.protocol} device_name={settings.device_name!r}"
+                    f"protocol={settings.protocol} device={settings.device!r}"
                 ),
             )
         return cls(raw, settings)

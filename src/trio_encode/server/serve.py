@@ -83,7 +83,7 @@ async def serve(
     async with EncodeService.running(
         engine=engine,
         encoder=metrics.timed(encoder),
-        settings=settings.service_settings(),
+        settings=settings.service,
         observer=metrics,
     ) as service:
         metrics.attach(service)
@@ -103,7 +103,7 @@ async def serve(
             log.info(
                 "shutting down: %d live scopes get %.1f s to finish",
                 len(service.registry),
-                settings.shutdown_grace,
+                settings.service.shutdown_grace,
             )
             report = await service.shutdown()
             watching.cancel()
@@ -174,15 +174,14 @@ async def run_server(settings: ServerSettings) -> ShutdownReport:
     image encoder loading behind it (``/readyz`` is 503 until it is loaded), stopped gracefully
     by SIGINT or SIGTERM."""
     from trio_encode.encoder import ImageEncoder
-    from trio_encode.engine.mooncake import MooncakeEngine, set_engine_log_level
+    from trio_encode.engine.mooncake import MooncakeEngine
 
-    set_engine_log_level(settings.engine_log_level)
     engine = await MooncakeEngine.create(settings.engine)
     log.info("transfer engine ready at %s", engine.session_id)
     metrics = Metrics()
 
     def load() -> Encoder:
-        encoder = ImageEncoder.from_settings(settings.encoder_settings(), observer=metrics)
+        encoder = ImageEncoder.from_settings(settings.encoder, observer=metrics)
         log.info("encoder loaded: %s", encoder.info.model_id)
         return encoder
 

@@ -1,0 +1,37 @@
+"""How one setting is declared: a pydantic field that also carries where ``--help`` lists it.
+
+Every setting of the package is a field made by :func:`setting` in the settings model of the
+layer that obeys it (the scopes, the engine, the encoder, the HTTP server). Its type, default,
+bounds and help are stated there once; the command line, the ``TRIO_ENCODE_*`` variables, the
+config file and the docs are all generated from that field, so adding a setting is adding a
+field.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, get_args
+
+from pydantic import Field
+
+Group = Literal["demo", "bench", "server", "engine", "model", "batching", "cache", "logging"]
+"""The sections of ``--help``, in the order they are shown (a command's own first)."""
+GROUPS: tuple[Group, ...] = get_args(Group)
+
+
+def setting(
+    default: Any = None,
+    *,
+    group: Group,
+    help: str,
+    flags: tuple[str, ...] = (),
+    **constraints: Any,
+) -> Any:
+    """A field with a ``--help`` group and help text; ``constraints`` are pydantic's (``gt``,
+    ``ge``, ``le``, ``repr``, ``default_factory``...). ``flags`` are extra option names the
+    setting is also known by (``--api-key`` for the token)."""
+    extra: dict[str, Any] = {"group": group}
+    if flags:
+        extra["flags"] = list(flags)
+    if "default_factory" in constraints:
+        return Field(description=help, json_schema_extra=extra, **constraints)
+    return Field(default, description=help, json_schema_extra=extra, **constraints)
