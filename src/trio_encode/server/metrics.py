@@ -80,6 +80,12 @@ class Metrics:
         self.backstop_expiries = Counter(
             PREFIX + "backstop_expiries", "Scopes ended by their deadline.", registry=r
         )
+        self.scopes_split = Counter(
+            PREFIX + "scopes_split",
+            "Scopes ended by their deadline after serving some but not all receivers: a "
+            "request split across encoders (or ranks that never sent).",
+            registry=r,
+        )
         self.scopes_closed = Counter(
             PREFIX + "scopes_closed", "Scopes ended, by reason.", ["reason"], registry=r
         )
@@ -174,6 +180,9 @@ class Metrics:
 
     def backstop_expired(self, req_id: str) -> None:
         self.backstop_expiries.inc()
+
+    def split_expired(self, req_id: str, served: int, receive_count: int) -> None:
+        self.scopes_split.inc()
 
     def quarantine_changed(self, regions: int, nbytes: int) -> None:
         self.quarantined_registrations.set(regions)
