@@ -264,6 +264,39 @@ encoder_options = _group(
         "the cache.",
     ),
     _option(
+        "--store-master",
+        env="STORE_MASTER",
+        default=None,
+        help="HOST:PORT of a mooncake_master: share embeddings with every encoder of the "
+        "cluster through Mooncake Store (looked up after this server's own cache; a slow or "
+        "failed store only costs a local forward).",
+    ),
+    _option(
+        "--store-segment-bytes",
+        env="STORE_SEGMENT_BYTES",
+        type=click.IntRange(1),
+        default=_ENCODER.store_segment_bytes,
+        show_default=True,
+        help="With --store-master: memory this server lends to the cluster's store.",
+    ),
+    _option(
+        "--store-buffer-bytes",
+        env="STORE_BUFFER_BYTES",
+        type=click.IntRange(1),
+        default=_ENCODER.store_buffer_bytes,
+        show_default=True,
+        help="With --store-master: the store client's local transfer buffer.",
+    ),
+    _option(
+        "--store-wait",
+        env="STORE_WAIT",
+        type=click.FloatRange(0, min_open=True),
+        default=_ENCODER.store_wait,
+        show_default=True,
+        help="With --store-master: seconds a request waits for a store lookup before it runs "
+        "the forward itself.",
+    ),
+    _option(
         "--max-image-bytes",
         env="MAX_IMAGE_BYTES",
         type=click.IntRange(1),
@@ -331,6 +364,10 @@ def _encoder_settings(options: dict[str, Any]) -> EncoderSettings:
             max_batch_wait=options["max_batch_wait"],
             queue_size=options["queue_size"],
             cache_bytes=options["cache_bytes"],
+            store_master=options["store_master"] or None,
+            store_segment_bytes=options["store_segment_bytes"],
+            store_buffer_bytes=options["store_buffer_bytes"],
+            store_wait=options["store_wait"],
             max_image_bytes=options["max_image_bytes"],
             max_image_pixels=options["max_image_pixels"],
             torch_threads=options["torch_threads"],

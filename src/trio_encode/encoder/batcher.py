@@ -5,6 +5,10 @@ Callers queue their images; the long-lived :meth:`ImageEncoder.run` task takes u
 fill), runs the model in a worker thread and hands each request its rows. The thread is never
 abandoned: a cancelled caller waits for it, so no tensor is freed while the model writes it.
 
+Lookups go to this encoder's cache, then (when configured) to the cluster-wide store
+(:mod:`trio_encode.encoder.store`), and only what both miss is queued for a forward; every
+embedding a forward computes is offered to the store in the background.
+
 An image (by content key) that is already queued or in a forward is not queued again: a
 second request waits for the same job and gets the same row. A caller cancelled while its
 images are still queued takes them out of the queue unless another request still waits for
@@ -31,6 +35,7 @@ from trio_encode.encoder.cache import CacheKey, EmbeddingCache, content_key
 from trio_encode.encoder.images import decode_image, load_item
 from trio_encode.encoder.observer import EncoderObserver, NullEncoderObserver
 from trio_encode.encoder.settings import EncoderSettings
+from trio_encode.encoder.store import EmbeddingStore, store_key
 from trio_encode.errors import EncodeFailed, InvalidInput, Overloaded, RequestError, ShuttingDown
 
 log = logging.getLogger(__name__)
@@ -117,8 +122,10 @@ class ImageEncoder:
         observer: EncoderObserver | None = None,
         run_decode: ThreadRunner | None = None,
         run_forward: ThreadRunner | None = None,
+        store: EmbeddingStore | None = None,
     ) -> None:
         self.backend = backend
+        self.store = store
         self.settings = settings if settings is not None else EncoderSettings()
         self.observer: EncoderObserver = observer or NullEncoderObserver()
         self._cache = (
@@ -150,10 +157,14 @@ class ImageEncoder:
 
     @classmethod
     def from_settings(
-        cls, settings: EncoderSettings, *, observer: EncoderObserver | None = None
+        cls,
+        settings: EncoderSettings,
+        *,
+        observer: EncoderObserver | None = None,
+        store: EmbeddingStore | None = None,
     ) -> ImageEncoder:
         """Load the model the settings name. Blocking: call before serving or in a thread."""
-        return cls(load_backend(settings), settings, observer=observer)
+        return cls(load_backend(settings), settings, observer=observer, store=store)
 
     @property
     def ready(self) -> bool:
@@ -215,10 +226,40 @@ class ImageEncoder:
             misses = sum(result is None for result in results)
             self.observer.cache_looked_up(len(items) - misses, misses)
         missing = [i for i, result in enumerate(results) if result is None]
+        if missing and self.store is not None:
+            await self._look_up_store(keys, results, missing)
+            missing = [i for i, result in enumerate(results) if result is None]
         if missing:
             await self._encode_missing(items, keys, results, missing)
         rows = [result for result in results if result is not None]
         return await self._run_decode(partial(_assemble, rows))
+
+    async def _look_up_store(
+        self, keys: list[CacheKey], results: list[torch.Tensor | None], missing: list[int]
+    ) -> None:
+        """Fill ``results`` from the store where it holds the image. Images already queued or
+        in a forward here are not looked up: joining that forward is cheaper."""
+        assert self.store is not None
+        wanted: dict[CacheKey, list[int]] = {}
+        for index in missing:
+            if keys[index] not in self._in_flight:
+                wanted.setdefault(keys[index], []).append(index)
+        if not wanted:
+            return
+        backend = self.backend
+        # Fresh memory for each image: a hit lands straight in the tensor the request sends.
+        into = [
+            torch.empty(backend.tokens_per_image, backend.hidden_size, dtype=backend.dtype)
+            for _ in wanted
+        ]
+        found = await self.store.get([store_key(backend.fingerprint, k) for k in wanted], into)
+        for (key, indices), tensor, hit in zip(wanted.items(), into, found, strict=True):
+            # A miss's tensor may still be written by an abandoned read: it is dropped here.
+            row = tensor if hit else self._cache.get(key) if self._cache is not None else None
+            if hit and self._cache is not None:
+                self._cache.put(key, tensor)
+            for index in indices:
+                results[index] = row
 
     async def _encode_missing(
         self,
@@ -332,7 +373,18 @@ class ImageEncoder:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve batches until cancelled. Reports started (and ``ready``) after a warm-up
-        forward pass; on exit, every request still waiting gets :class:`ShuttingDown`."""
+        forward pass; on exit, every request still waiting gets :class:`ShuttingDown`. The
+        store (if any) connects in the background: the encoder is ready without it."""
+        if self.store is None:
+            await self._run_batches(task_status=task_status)
+            return
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.store.run)
+            await self._run_batches(task_status=task_status)
+
+    async def _run_batches(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
         if self._running:
             raise RuntimeError("ImageEncoder.run is already running")
         if self.settings.warmup:
@@ -405,6 +457,8 @@ class ImageEncoder:
             self._forget(job)
             if self._cache is not None:
                 self._cache.put(job.key, row)
+            if self.store is not None:
+                self.store.put(store_key(self.backend.fingerprint, job.key), row)
             job.deliver(row)
         if self._cache is not None:
             self.observer.cache_size(self._cache.nbytes, len(self._cache))

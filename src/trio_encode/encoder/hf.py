@@ -8,11 +8,13 @@ Preprocessing (size, mean, std, crop) comes from the model's own files, not from
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from trio_encode.encoder.fingerprint import model_fingerprint, weights_digest
 from trio_encode.encoder.images import Preprocess
 from trio_encode.encoder.model import TORCH_DTYPES
 from trio_encode.encoder.settings import EncoderSettings
@@ -94,6 +96,14 @@ class HFVisionBackend:
         self.model_id = (
             f"hf({model_dir.resolve()},{model_type},layer={settings.hf_feature_layer},"
             f"{settings.dtype})"
+        )
+        shape = {
+            "config": config,
+            "feature_layer": settings.hf_feature_layer,
+            "preprocess": asdict(self.preprocess),
+        }
+        self.fingerprint = model_fingerprint(
+            f"hf-{model_type}", shape, settings.dtype, weights_digest(self.module)
         )
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:

@@ -56,6 +56,17 @@ class EncoderSettings:
     cache_bytes: int = 256 * MiB
     """Bytes of embeddings kept for repeated images; 0 disables the cache."""
 
+    # The cluster-wide second level (Mooncake Store).
+    store_master: str | None = None
+    """``HOST:PORT`` of a ``mooncake_master``: look images up in the cluster's Mooncake Store
+    after this encoder's own cache, and store what this encoder computes. None: no store."""
+    store_segment_bytes: int = 512 * MiB
+    """Memory this encoder lends to the cluster's store (the segment it mounts)."""
+    store_buffer_bytes: int = 64 * MiB
+    """The store client's local transfer buffer."""
+    store_wait: float = 0.2
+    """Seconds a request waits for a store lookup before running the forward itself."""
+
     # Input limits.
     max_image_bytes: int = 20 * MiB
     """Encoded bytes of one image."""
@@ -94,5 +105,16 @@ class EncoderSettings:
             raise ValueError(f"max_batch_wait must be >= 0, got {self.max_batch_wait}")
         if self.cache_bytes < 0:
             raise ValueError(f"cache_bytes must be >= 0, got {self.cache_bytes}")
+        if self.store_segment_bytes <= 0 or self.store_buffer_bytes <= 0:
+            raise ValueError("store_segment_bytes and store_buffer_bytes must be positive")
+        if self.store_wait <= 0:
+            raise ValueError(f"store_wait must be positive, got {self.store_wait}")
+        if self.store_master is not None and not _is_host_port(self.store_master):
+            raise ValueError(f"store_master must be HOST:PORT, got {self.store_master!r}")
         if self.torch_threads is not None and self.torch_threads <= 0:
             raise ValueError(f"torch_threads must be positive, got {self.torch_threads}")
+
+
+def _is_host_port(address: str) -> bool:
+    host, colon, port = address.rpartition(":")
+    return bool(host) and bool(colon) and port.isdigit() and 0 < int(port) < 65536

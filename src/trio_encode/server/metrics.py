@@ -33,8 +33,8 @@ _TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
 
 
 class Metrics:
-    """The server's metrics; the service's ``LifecycleObserver`` and the encoder's
-    ``EncoderObserver``."""
+    """The server's metrics; the service's ``LifecycleObserver``, the encoder's
+    ``EncoderObserver`` and the store's ``StoreObserver``."""
 
     content_type = CONTENT_TYPE_LATEST
 
@@ -138,6 +138,27 @@ class Metrics:
             registry=r,
         )
 
+        # The cluster-wide store's events (StoreObserver).
+        self.store_up = Gauge(
+            PREFIX + "store_connected",
+            "1 while connected to the Mooncake Store master, else 0.",
+            registry=r,
+        )
+        self.store_lookups = Counter(
+            PREFIX + "store_lookups",
+            "Images looked up in the cluster-wide store, by result (hit, miss, error, timeout, "
+            "unavailable); all but hit run the forward locally.",
+            ["result"],
+            registry=r,
+        )
+        self.store_puts = Counter(
+            PREFIX + "store_puts",
+            "Embeddings offered to the cluster-wide store, by result (stored, failed, timeout, "
+            "dropped).",
+            ["result"],
+            registry=r,
+        )
+
     def attach(self, service: EncodeService) -> None:
         """Read the live gauges from ``service`` itself from now on."""
         self.live_scopes.set_function(lambda: len(service.registry))
@@ -209,6 +230,17 @@ class Metrics:
 
     def rejected(self, images: int) -> None:
         self.encoder_rejected.inc(images)
+
+    # -- StoreObserver ------------------------------------------------------------------------
+
+    def store_connected(self, connected: bool) -> None:
+        self.store_up.set(1 if connected else 0)
+
+    def store_looked_up(self, result: str, images: int) -> None:
+        self.store_lookups.labels(result=result).inc(images)
+
+    def store_put(self, result: str) -> None:
+        self.store_puts.labels(result=result).inc()
 
 
 class _TimedEncoder:

@@ -177,8 +177,24 @@ async def run_server(settings: ServerSettings) -> ShutdownReport:
     engine = await MooncakeEngine.create(settings.engine)
     log.info("transfer engine ready at %s", engine.session_id)
     metrics = Metrics()
+    store = None
+    if settings.encoder.store_master is not None:
+        from trio_encode.encoder.store import MooncakeEmbeddingStore
+
+        store = MooncakeEmbeddingStore.from_settings(
+            settings.encoder,
+            hostname=settings.engine.hostname,
+            protocol=settings.engine.protocol,
+            device=settings.engine.device_name,
+            observer=metrics,
+        )
     encoder = await trio.to_thread.run_sync(
-        partial(ImageEncoder.from_settings, settings.encoder_settings(), observer=metrics)
+        partial(
+            ImageEncoder.from_settings,
+            settings.encoder_settings(),
+            observer=metrics,
+            store=store,
+        )
     )
     log.info("encoder loaded: %s", encoder.info.model_id)
     return await serve(

@@ -1,0 +1,137 @@
+"""The store level's promises that need no master: keys that cannot collide across models, a
+bounded wait on a slow store, puts that never block, and every outcome counted."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+from dataclasses import replace
+
+import pytest
+import torch
+import trio
+
+from trio_encode.encoder import CacheKey
+from trio_encode.encoder.model import BuiltinBackend
+from trio_encode.encoder.settings import EncoderSettings
+from trio_encode.encoder.store import MooncakeEmbeddingStore, store_key
+
+TINY = EncoderSettings(
+    image_size=32, patch_size=16, width=32, heads=2, depth=1, hidden_size=64, warmup=False
+)
+
+
+def test_the_fingerprint_changes_with_kind_config_dtype_and_weights_only() -> None:
+    base = BuiltinBackend(TINY).fingerprint
+    assert BuiltinBackend(TINY).fingerprint == base  # same model, same fingerprint
+    for changed in (
+        replace(TINY, dtype="bfloat16"),
+        replace(TINY, seed=1),  # other weights
+        replace(TINY, hidden_size=32),
+        replace(TINY, depth=2),
+    ):
+        assert BuiltinBackend(changed).fingerprint != base, changed
+    # Settings that do not shape the forward do not split the cache.
+    assert BuiltinBackend(replace(TINY, max_batch_size=2, cache_bytes=0)).fingerprint == base
+    key = CacheKey("any", "ab" * 32)
+    assert store_key(base, key) != store_key(BuiltinBackend(replace(TINY, seed=1)).fingerprint, key)
+
+
+class Events:
+    def __init__(self) -> None:
+        self.lookups: list[tuple[str, int]] = []
+        self.puts: list[str] = []
+
+    def store_connected(self, connected: bool) -> None:
+        pass
+
+    def store_looked_up(self, result: str, images: int) -> None:
+        self.lookups.append((result, images))
+
+    def store_put(self, result: str) -> None:
+        self.puts.append(result)
+
+
+class HungClient:
+    """A store client whose calls block until released (a master that stopped answering)."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.written = threading.Event()
+
+    def get_into(self, key: str, address: int, nbytes: int) -> int:
+        self.release.wait(10)
+        ctypes.memset(address, 1, nbytes)  # the late read still writes its buffer
+        if key == "k2":
+            self.written.set()
+        return nbytes
+
+    def put_from(self, key: str, address: int, nbytes: int) -> int:
+        self.release.wait(10)
+        return 0
+
+
+def _store(events: Events, wait: float = 0.05) -> MooncakeEmbeddingStore:
+    return MooncakeEmbeddingStore(
+        master="127.0.0.1:1", segment_bytes=1 << 20, buffer_bytes=1 << 20, wait=wait,
+        observer=events,
+    )  # fmt: skip
+
+
+async def test_a_slow_store_costs_a_request_at_most_the_bounded_wait() -> None:
+    events = Events()
+    store = _store(events)
+    client = HungClient()
+    store._client = client
+    into = [torch.zeros(16, 4), torch.zeros(16, 4)]
+    started = time.monotonic()
+    found = await store.get(["k1", "k2"], into)
+    elapsed = time.monotonic() - started
+    assert found == [False, False]
+    assert elapsed < 0.5
+    assert events.lookups == [("timeout", 2)]
+    # The abandoned read finishes later, writing only the buffers it was given (kept alive
+    # by its own reference); the caller has dropped them.
+    client.release.set()
+    assert await trio.to_thread.run_sync(client.written.wait, 5)
+    assert bool((into[1].view(torch.uint8) == 1).all())
+
+
+async def test_results_are_counted_per_image() -> None:
+    class Answers:
+        def get_into(self, key: str, address: int, nbytes: int) -> int:
+            return {"hit": nbytes, "miss": -704}.get(key, -900)
+
+    events = Events()
+    store = _store(events, wait=5.0)
+    store._client = Answers()
+    found = await store.get(["hit", "miss", "broken"], [torch.zeros(4) for _ in range(3)])
+    assert found == [True, False, False]
+    assert events.lookups == [("hit", 1), ("miss", 1), ("error", 1)]
+
+
+async def test_without_a_connection_lookups_and_puts_return_at_once() -> None:
+    events = Events()
+    store = _store(events)
+    assert await store.get(["k"], [torch.zeros(4)]) == [False]
+    store.put("k", torch.zeros(4))
+    assert events.lookups == [("unavailable", 1)]
+    assert events.puts == ["dropped"]
+
+
+async def test_puts_never_block_a_full_queue_drops() -> None:
+    events = Events()
+    store = _store(events)
+    store._client = HungClient()
+    for n in range(100):
+        store.put(f"k{n}", torch.zeros(4))  # no await: never blocks the forward's loop
+    assert events.puts == ["dropped"] * (100 - 64)
+
+
+def test_store_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        EncoderSettings(store_master="localhost")
+    with pytest.raises(ValueError, match="store_wait"):
+        EncoderSettings(store_wait=0)
+    assert EncoderSettings(store_master="10.0.0.1:50051").store_master == "10.0.0.1:50051"
