@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import trio
@@ -36,10 +36,15 @@ from trio_encode.client.http import (
     SendResult,
     UnexpectedResponse,
 )
-from trio_encode.client.ranking import content_digest, rank
+from trio_encode.client.ranking import content_digest, rank, request_digest
 from trio_encode.errors import Overloaded, RequestError, ShuttingDown
 
 log = logging.getLogger(__name__)
+
+RouteBy = Literal["content", "request"]
+"""``content``: a request's images pick its encoder (siblings and repeated images meet).
+``request``: its ``req_id`` does (siblings still meet, repeated images scatter: the baseline of
+an encoder fleet without content affinity)."""
 
 
 class NoEncoderAvailable(RequestError):
@@ -121,10 +126,12 @@ class FleetClient:
         token: str | None = None,
         timeout: float | None = 300.0,
         health: HealthTracker | None = None,
+        route_by: RouteBy = "content",
     ) -> None:
         self.encoders = encoders if isinstance(encoders, EncoderList) else EncoderList(encoders)
         self.health = health if health is not None else HealthTracker()
         self.stats = FleetStats()
+        self.route_by = route_by
         self._token = token
         self._timeout = timeout
         self._clients: dict[str, EncodeClient] = {}
@@ -160,9 +167,10 @@ class FleetClient:
             await client.aclose()
         self._clients.clear()
 
-    def ranking(self, mm_items: Sequence[str]) -> list[str]:
-        """The encoders in the order a request for ``mm_items`` tries them now."""
-        return self.health.order(rank(self.encoders.current(), content_digest(mm_items)))
+    def ranking(self, mm_items: Sequence[str], req_id: str = "") -> list[str]:
+        """The encoders in the order a request tries them now."""
+        key = content_digest(mm_items) if self.route_by == "content" else request_digest(req_id)
+        return self.health.order(rank(self.encoders.current(), key))
 
     async def encode_and_send(
         self,
@@ -181,7 +189,7 @@ class FleetClient:
         Raises :class:`NoEncoderAvailable` when every encoder failed, or the request's own
         error (:mod:`trio_encode.errors`, :class:`~trio_encode.client.TransferFailed`).
         """
-        order = self.ranking(mm_items)
+        order = self.ranking(mm_items, req_id)
         self.health.forget(order)
         address: int | None = None
         size = 0

@@ -28,6 +28,11 @@ def content_digest(mm_items: Sequence[str]) -> bytes:
     return digest.digest()
 
 
+def request_digest(req_id: str) -> bytes:
+    """A routing key from the request's id alone: no affinity between requests."""
+    return hashlib.blake2b(req_id.encode(), digest_size=16).digest()
+
+
 def score(encoder: str, digest: bytes) -> int:
     """The weight of ``encoder`` for content ``digest``: a 64-bit pseudo-random number."""
     mixed = hashlib.blake2b(digest, key=encoder.encode()[:64], digest_size=8)
