@@ -134,4 +134,7 @@ def test_store_settings_are_checked() -> None:
         EncoderSettings(store_master="localhost")
     with pytest.raises(ValueError, match="store_wait"):
         EncoderSettings(store_wait=0)
-    assert EncoderSettings(store_master="10.0.0.1:50051").store_master == "10.0.0.1:50051"
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        EncoderSettings(store_master="etcd://a:1;b")
+    for address in ("10.0.0.1:50051", "etcd://10.0.0.1:2379;10.0.0.2:2379"):
+        assert EncoderSettings(store_master=address).store_master == address

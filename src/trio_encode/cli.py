@@ -267,9 +267,10 @@ encoder_options = _group(
         "--store-master",
         env="STORE_MASTER",
         default=None,
-        help="HOST:PORT of a mooncake_master: share embeddings with every encoder of the "
-        "cluster through Mooncake Store (looked up after this server's own cache; a slow or "
-        "failed store only costs a local forward).",
+        help="HOST:PORT of a mooncake_master (or etcd://HOST:PORT;... for masters in HA "
+        "mode): share embeddings with every encoder of the cluster through Mooncake Store "
+        "(looked up after this server's own cache; a slow or failed store only costs a local "
+        "forward).",
     ),
     _option(
         "--store-segment-bytes",

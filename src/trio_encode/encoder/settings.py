@@ -58,8 +58,10 @@ class EncoderSettings:
 
     # The cluster-wide second level (Mooncake Store).
     store_master: str | None = None
-    """``HOST:PORT`` of a ``mooncake_master``: look images up in the cluster's Mooncake Store
-    after this encoder's own cache, and store what this encoder computes. None: no store."""
+    """``HOST:PORT`` of a ``mooncake_master``, or ``etcd://HOST:PORT[;HOST:PORT...]`` for
+    masters in high-availability mode (the leader is looked up in etcd): look images up in the
+    cluster's Mooncake Store after this encoder's own cache, and store what this encoder
+    computes. None: no store."""
     store_segment_bytes: int = 512 * MiB
     """Memory this encoder lends to the cluster's store (the segment it mounts)."""
     store_buffer_bytes: int = 64 * MiB
@@ -109,10 +111,20 @@ class EncoderSettings:
             raise ValueError("store_segment_bytes and store_buffer_bytes must be positive")
         if self.store_wait <= 0:
             raise ValueError(f"store_wait must be positive, got {self.store_wait}")
-        if self.store_master is not None and not _is_host_port(self.store_master):
-            raise ValueError(f"store_master must be HOST:PORT, got {self.store_master!r}")
+        if self.store_master is not None and not _is_master_address(self.store_master):
+            raise ValueError(
+                f"store_master must be HOST:PORT or etcd://HOST:PORT[;HOST:PORT...], "
+                f"got {self.store_master!r}"
+            )
         if self.torch_threads is not None and self.torch_threads <= 0:
             raise ValueError(f"torch_threads must be positive, got {self.torch_threads}")
+
+
+def _is_master_address(address: str) -> bool:
+    if address.startswith("etcd://"):
+        endpoints = address.removeprefix("etcd://").split(";")
+        return all(_is_host_port(endpoint) for endpoint in endpoints)
+    return _is_host_port(address)
 
 
 def _is_host_port(address: str) -> bool:
