@@ -52,6 +52,10 @@ SETTINGS = {
     "--max-image-bytes": "TRIO_ENCODE_MAX_IMAGE_BYTES",
     "--max-image-pixels": "TRIO_ENCODE_MAX_IMAGE_PIXELS",
     "--torch-threads": "TRIO_ENCODE_TORCH_THREADS",
+    "--store-master": "TRIO_ENCODE_STORE_MASTER",
+    "--store-segment-bytes": "TRIO_ENCODE_STORE_SEGMENT_BYTES",
+    "--store-buffer-bytes": "TRIO_ENCODE_STORE_BUFFER_BYTES",
+    "--store-wait": "TRIO_ENCODE_STORE_WAIT",
 }
 
 
@@ -118,6 +122,21 @@ def test_encoder_flags_beat_variables_which_beat_the_defaults(
     assert encoder.image_size == EncoderSettings().image_size  # default
     assert encoder.queue_size == EncoderSettings().queue_size
     assert encoder.hf_model_dir is None
+
+
+def test_store_flags_reach_the_encoder_settings(captured: list[ServerSettings]) -> None:
+    env = {"TRIO_ENCODE_STORE_MASTER": "10.0.0.1:50051", "TRIO_ENCODE_STORE_WAIT": "0.5"}
+    args = ["serve", "--store-segment-bytes", "1024", "--store-wait", "0.1"]
+    result = CliRunner().invoke(cli, args, env=env)
+    assert result.exit_code == 0, result.output
+    (settings,) = captured
+    assert settings.encoder.store_master == "10.0.0.1:50051"
+    assert settings.encoder.store_segment_bytes == 1024
+    assert settings.encoder.store_wait == 0.1
+    assert settings.encoder.store_buffer_bytes == EncoderSettings().store_buffer_bytes
+    bad = CliRunner().invoke(cli, ["serve", "--store-master", "nohost"])
+    assert bad.exit_code == 2
+    assert "HOST:PORT" in bad.output
 
 
 def test_encoder_settings_that_do_not_fit_together_are_a_usage_error(

@@ -264,6 +264,35 @@ encoder_options = _group(
         "the cache.",
     ),
     _option(
+        "--max-image-bytes",
+        env="MAX_IMAGE_BYTES",
+        type=click.IntRange(1),
+        default=_ENCODER.max_image_bytes,
+        show_default=True,
+        help="Encoded size of one image; larger ones get 400.",
+    ),
+    _option(
+        "--max-image-pixels",
+        env="MAX_IMAGE_PIXELS",
+        type=click.IntRange(1),
+        default=_ENCODER.max_image_pixels,
+        show_default=True,
+        help="Width x height of one image, checked before decoding (decompression bombs); "
+        "larger ones get 400.",
+    ),
+    _option(
+        "--torch-threads",
+        env="TORCH_THREADS",
+        type=click.IntRange(1),
+        default=None,
+        help="torch.set_num_threads for the forward pass (default: torch's own, one per "
+        "core). Lower it to leave cores to image decoding and the event loop.",
+    ),
+)
+
+# The cluster-wide store is a serving concern: only `serve` takes these.
+store_options = _group(
+    _option(
         "--store-master",
         env="STORE_MASTER",
         default=None,
@@ -296,31 +325,6 @@ encoder_options = _group(
         show_default=True,
         help="With --store-master: seconds a request waits for a store lookup before it runs "
         "the forward itself.",
-    ),
-    _option(
-        "--max-image-bytes",
-        env="MAX_IMAGE_BYTES",
-        type=click.IntRange(1),
-        default=_ENCODER.max_image_bytes,
-        show_default=True,
-        help="Encoded size of one image; larger ones get 400.",
-    ),
-    _option(
-        "--max-image-pixels",
-        env="MAX_IMAGE_PIXELS",
-        type=click.IntRange(1),
-        default=_ENCODER.max_image_pixels,
-        show_default=True,
-        help="Width x height of one image, checked before decoding (decompression bombs); "
-        "larger ones get 400.",
-    ),
-    _option(
-        "--torch-threads",
-        env="TORCH_THREADS",
-        type=click.IntRange(1),
-        default=None,
-        help="torch.set_num_threads for the forward pass (default: torch's own, one per "
-        "core). Lower it to leave cores to image decoding and the event loop.",
     ),
 )
 
@@ -365,10 +369,10 @@ def _encoder_settings(options: dict[str, Any]) -> EncoderSettings:
             max_batch_wait=options["max_batch_wait"],
             queue_size=options["queue_size"],
             cache_bytes=options["cache_bytes"],
-            store_master=options["store_master"] or None,
-            store_segment_bytes=options["store_segment_bytes"],
-            store_buffer_bytes=options["store_buffer_bytes"],
-            store_wait=options["store_wait"],
+            store_master=options.get("store_master") or None,
+            store_segment_bytes=options.get("store_segment_bytes", _ENCODER.store_segment_bytes),
+            store_buffer_bytes=options.get("store_buffer_bytes", _ENCODER.store_buffer_bytes),
+            store_wait=options.get("store_wait", _ENCODER.store_wait),
             max_image_bytes=options["max_image_bytes"],
             max_image_pixels=options["max_image_pixels"],
             torch_threads=options["torch_threads"],
@@ -413,6 +417,7 @@ def cli() -> None:
 @server_options
 @engine_options
 @encoder_options
+@store_options
 @logging_options
 def serve(**options: Any) -> None:
     """Serve POST /encode, POST /send, GET /health and GET /metrics until SIGINT/SIGTERM."""
