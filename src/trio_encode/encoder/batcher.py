@@ -246,13 +246,9 @@ class ImageEncoder:
                 wanted.setdefault(keys[index], []).append(index)
         if not wanted:
             return
-        backend = self.backend
-        # Fresh memory for each image: a hit lands straight in the tensor the request sends.
-        into = [
-            torch.empty(backend.tokens_per_image, backend.hidden_size, dtype=backend.dtype)
-            for _ in wanted
-        ]
-        found = await self.store.get([store_key(backend.fingerprint, k) for k in wanted], into)
+        into = [self._landing_row() for _ in wanted]
+        fingerprint = self.backend.fingerprint
+        found = await self.store.get([store_key(fingerprint, k) for k in wanted], into)
         for (key, indices), tensor, hit in zip(wanted.items(), into, found, strict=True):
             # A miss's tensor may still be written by an abandoned read: it is dropped here.
             row = tensor if hit else self._cache.get(key) if self._cache is not None else None
@@ -260,6 +256,14 @@ class ImageEncoder:
                 self._cache.put(key, tensor)
             for index in indices:
                 results[index] = row
+
+    def _landing_row(self) -> torch.Tensor:
+        """Memory for one image's embedding read from the store: the tensor the request then
+        sends from and the cache keeps, so a hit is never copied. An abandoned read may still
+        write it after the lookup gave up (the store keeps it alive until then); whatever
+        provides this memory must not reuse it while a reference to it remains."""
+        backend = self.backend
+        return torch.empty(backend.tokens_per_image, backend.hidden_size, dtype=backend.dtype)
 
     async def _encode_missing(
         self,
