@@ -138,3 +138,38 @@ def test_store_settings_are_checked() -> None:
         EncoderSettings(store_master="etcd://a:1;b")
     for address in ("10.0.0.1:50051", "etcd://10.0.0.1:2379;10.0.0.2:2379"):
         assert EncoderSettings(store_master=address).store_master == address
+
+
+class FakeStoreClient(HungClient):
+    """Connects at once; ``close`` is recorded. Reads hang until released."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.closed = threading.Event()
+
+    def setup(self, *args: object) -> int:
+        return 0
+
+    def close(self) -> None:
+        self.closed.set()
+
+
+async def test_the_client_is_closed_only_when_no_call_still_uses_it() -> None:
+    for hung in (False, True):
+        events = Events()
+        store = _store(events)
+        client = FakeStoreClient()
+        store._store_class = lambda client=client: client
+        async with trio.open_nursery() as nursery:
+            await nursery.start(store.run)
+            while True:  # setup() runs in a thread: poll for it
+                if store.connected:
+                    break
+                await trio.sleep(0.01)
+            if hung:
+                await store.get(["k"], [torch.zeros(4)])  # abandoned, still in its thread
+            nursery.cancel_scope.cancel()
+        # Without a call in flight the segment is unmounted; with one, closing under it
+        # would free what the thread uses, so the client is left alone.
+        assert client.closed.is_set() is not hung
+        client.release.set()

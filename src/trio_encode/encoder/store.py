@@ -185,9 +185,13 @@ class MooncakeEmbeddingStore:
             client, self._client = self._client, None
             self.observer.store_connected(False)
             if client is not None:
-                # Unmount this encoder's segment so the master stops placing objects in it.
-                # Bounded: a hung master must not hold up shutdown.
+                # Unmount this encoder's segment so the master stops placing objects in it,
+                # once no call (an abandoned one included) still uses the client: holding
+                # every thread token proves it. Bounded: a hung master must not hold up
+                # shutdown; then the client is left to the process's exit.
                 with trio.CancelScope(shield=True), trio.move_on_after(2.0):
+                    for _ in range(_THREADS):
+                        await self._limiter.acquire_on_behalf_of(object())
                     await trio.to_thread.run_sync(client.close, abandon_on_cancel=True)
 
     async def _connect(self) -> None:
