@@ -200,7 +200,20 @@ async def _until(
 
 
 async def run_fleet_demo(config: FleetDemoConfig) -> FleetOutcome:
+    """Start the cluster, run the workload, stop everything; a start-up failure names the
+    directory with the processes' logs."""
     outcome = FleetOutcome(config, logs=Path(tempfile.mkdtemp(prefix="trio-encode-fleet-")))
+    try:
+        await _run_cluster(config, outcome)
+    except RuntimeError as exc:
+        raise RuntimeError(f"{exc} (logs in {outcome.logs})") from exc
+    if outcome.ok and outcome.logs is not None:
+        shutil.rmtree(outcome.logs, ignore_errors=True)  # kept only to explain a failure
+        outcome.logs = None
+    return outcome
+
+
+async def _run_cluster(config: FleetDemoConfig, outcome: FleetOutcome) -> None:
     assert outcome.logs is not None
     logs = outcome.logs
     async with AsyncExitStack() as stack:
@@ -273,7 +286,6 @@ async def run_fleet_demo(config: FleetDemoConfig) -> FleetOutcome:
         await _workload(config, urls, processes, pools, clients, http, outcome)
         for client in clients:
             outcome.failovers += client.stats.failovers
-    return outcome
 
 
 async def _workload(
