@@ -173,3 +173,28 @@ async def test_the_client_is_closed_only_when_no_call_still_uses_it() -> None:
         # would free what the thread uses, so the client is left alone.
         assert client.closed.is_set() is not hung
         client.release.set()
+
+
+async def test_a_failing_store_logs_one_line_per_period_and_counts_every_failure(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    class Dead:
+        def get_into(self, key: str, address: int, nbytes: int) -> int:
+            return -900  # the master is gone
+
+    import trio_encode.encoder.store as store_module
+
+    monkeypatch.setattr(store_module, "_WARN_SECONDS", 0.3)
+    events = Events()
+    store = _store(events, wait=5.0)
+    store._client = Dead()
+    with caplog.at_level("WARNING", logger="trio_encode.encoder.store"):
+        for _ in range(3):
+            await store.get(["k"], [torch.zeros(4)])
+        await trio.sleep(0.35)
+        await store.get(["k"], [torch.zeros(4)])
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2, lines
+    assert "returned -900" in lines[0]
+    assert "2 more store failures" in lines[1]
+    assert events.lookups == [("error", 1)] * 4

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import math
 from collections.abc import Sequence
 from typing import Any, Literal, Protocol
 
@@ -49,6 +50,7 @@ _PUT_QUEUE = 64  # embeddings waiting to be put; more are dropped
 _PUT_SECONDS = 5.0  # one put's bound; a slower one is abandoned and counted as a timeout
 _THREADS = 4  # store calls in flight, abandoned ones included: a hung store holds at most this
 _RETRY_SECONDS = 5.0  # between attempts to reach the master
+_WARN_SECONDS = 10.0  # a failing store logs at most one line per period; metrics count all
 
 
 def store_key(fingerprint: str, key: CacheKey) -> str:
@@ -139,6 +141,8 @@ class MooncakeEmbeddingStore:
         self.device = device
         self.observer: StoreObserver = observer or NullStoreObserver()
         self._client: Any | None = None
+        self._warned_at = -math.inf
+        self._unlogged = 0
         self._limiter = trio.CapacityLimiter(_THREADS)
         self._puts_in, self._puts_out = trio.open_memory_channel[tuple[str, torch.Tensor]](
             _PUT_QUEUE
@@ -242,7 +246,7 @@ class MooncakeEmbeddingStore:
                 read, abandon_on_cancel=True, limiter=self._limiter
             )
         if codes is None:
-            log.warning("the store took over %.3f s; running the forward instead", self.wait)
+            self._warn("the store took over %.3f s; running the forward instead", self.wait)
             self.observer.store_looked_up("timeout", len(keys))
             return [False] * len(keys)
         found = []
@@ -254,10 +258,22 @@ class MooncakeEmbeddingStore:
                 result = "miss"
             else:
                 result = "error"
-                log.warning("store read of %s returned %d (expected %d bytes)", key, code, nbytes)
+                self._warn("store read of %s returned %d (expected %d bytes)", key, code, nbytes)
             self.observer.store_looked_up(result, 1)
             found.append(result == "hit")
         return found
+
+    def _warn(self, message: str, *args: object) -> None:
+        """Log a store failure, at most once per period (a dead master fails every lookup;
+        the metrics count each one)."""
+        now = trio.current_time()
+        if now - self._warned_at < _WARN_SECONDS:
+            self._unlogged += 1
+            return
+        if self._unlogged:
+            message += f" ({self._unlogged} more store failures since the last such line)"
+        log.warning(message, *args)
+        self._warned_at, self._unlogged = now, 0
 
     def put(self, key: str, tensor: torch.Tensor) -> None:
         if self._client is None:
@@ -288,5 +304,5 @@ class MooncakeEmbeddingStore:
         elif code == 0:
             self.observer.store_put("stored")
         else:
-            log.warning("store put of %s returned %d", key, code)
+            self._warn("store put of %s returned %d", key, code)
             self.observer.store_put("failed")
