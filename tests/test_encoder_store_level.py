@@ -103,3 +103,57 @@ async def test_a_model_with_another_fingerprint_does_not_hit(
     async with serving(second):
         await second.encode([image(60)])
     assert other.encoded == [60]
+
+
+async def test_requests_for_an_image_being_read_from_the_store_share_the_read(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    store = DictStore(latency=0.1)
+    seeded, _ = make(store)
+    async with serving(seeded):
+        computed = await seeded.encode([image(70)])
+    store.gets.clear()
+    encoder, model = make(store)
+    got = []
+
+    async def one() -> None:
+        got.append(await encoder.encode([image(70)]))
+
+    async with serving(encoder), trio.open_nursery() as nursery:
+        nursery.start_soon(one)
+        await trio.sleep(0.05)  # the first request's store read is under way
+        nursery.start_soon(one)
+    assert model.encoded == []
+    assert len(store.gets) == 1
+    assert all(torch.equal(e.tensor, computed.tensor) for e in got)
+    assert len(got) == 2
+
+
+async def test_a_cancelled_reader_releases_those_waiting_on_its_read(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    store = DictStore(latency=0.1)
+    encoder, model = make(store)
+    async with serving(encoder), trio.open_nursery() as nursery:
+        reader = trio.CancelScope()
+
+        async def cancelled_reader() -> None:
+            with reader:
+                await encoder.encode([image(80)])
+
+        nursery.start_soon(cancelled_reader)
+        await trio.sleep(0.05)
+        waiter = trio.CancelScope(deadline=trio.current_time() + 10)
+        result = []
+
+        async def waiting() -> None:
+            with waiter:
+                result.append(await encoder.encode([image(80)]))
+
+        nursery.start_soon(waiting)
+        await trio.testing.wait_all_tasks_blocked()
+        reader.cancel()
+    # The waiter was not left hanging: it ran the forward itself (the store had nothing).
+    assert not waiter.cancelled_caught
+    assert model.encoded == [80]
+    assert reds(result[0]) == [80, 80]

@@ -93,6 +93,14 @@ class _Request:
 
 
 @dataclass(eq=False)
+class _StoreRead:
+    """One image being read from the store, shared by every request that needs it."""
+
+    done: trio.Event = field(default_factory=trio.Event)
+    row: torch.Tensor | None = None
+
+
+@dataclass(eq=False)
 class _Job:
     """One image waiting for (or in) a forward pass, shared by every request that needs it."""
 
@@ -142,6 +150,7 @@ class ImageEncoder:
         # Every queued or running job by its image, so a request needing the same image joins
         # it instead of encoding it again.
         self._in_flight: dict[CacheKey, _Job] = {}
+        self._store_reads: dict[CacheKey, _StoreRead] = {}
         self._reserved = 0  # images admitted and still being decoded
         self._changed = trio.Event()
         self._running = False
@@ -238,22 +247,40 @@ class ImageEncoder:
         self, keys: list[CacheKey], results: list[torch.Tensor | None], missing: list[int]
     ) -> None:
         """Fill ``results`` from the store where it holds the image. Images already queued or
-        in a forward here are not looked up: joining that forward is cheaper."""
+        in a forward here are not looked up (joining that forward is cheaper), and an image
+        another request is already reading from the store waits for that read."""
         assert self.store is not None
-        wanted: dict[CacheKey, list[int]] = {}
+        own: dict[CacheKey, list[int]] = {}
+        joined: dict[CacheKey, list[int]] = {}
         for index in missing:
-            if keys[index] not in self._in_flight:
-                wanted.setdefault(keys[index], []).append(index)
-        if not wanted:
-            return
-        into = [self._landing_row() for _ in wanted]
-        fingerprint = self.backend.fingerprint
-        found = await self.store.get([store_key(fingerprint, k) for k in wanted], into)
-        for (key, indices), tensor, hit in zip(wanted.items(), into, found, strict=True):
-            # A miss's tensor may still be written by an abandoned read: it is dropped here.
-            row = tensor if hit else self._cache.get(key) if self._cache is not None else None
-            if hit and self._cache is not None:
-                self._cache.put(key, tensor)
+            key = keys[index]
+            if key not in self._in_flight:
+                (joined if key in self._store_reads else own).setdefault(key, []).append(index)
+        others = {key: self._store_reads[key] for key in joined}
+        reads = {key: _StoreRead() for key in own}
+        self._store_reads.update(reads)
+        try:
+            if reads:
+                into = [self._landing_row() for _ in reads]
+                fingerprint = self.backend.fingerprint
+                found = await self.store.get([store_key(fingerprint, k) for k in reads], into)
+                # A miss's tensor may still be written by an abandoned read: it is dropped.
+                for read, tensor, hit in zip(reads.values(), into, found, strict=True):
+                    read.row = tensor if hit else None
+        finally:
+            # Whatever happened (a cancelled caller too), those waiting on these reads go on.
+            for key, read in reads.items():
+                read.done.set()
+                if self._store_reads.get(key) is read:
+                    del self._store_reads[key]
+        for read in others.values():
+            await read.done.wait()  # bounded: the reading request's lookup is
+        for key, indices in [*own.items(), *joined.items()]:
+            row = (reads.get(key) or others[key]).row
+            if row is not None and self._cache is not None:
+                self._cache.put(key, row)
+            elif row is None and self._cache is not None:
+                row = self._cache.get(key)  # a forward elsewhere may have finished meanwhile
             for index in indices:
                 results[index] = row
 
