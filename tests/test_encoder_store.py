@@ -198,3 +198,17 @@ async def test_a_failing_store_logs_one_line_per_period_and_counts_every_failure
     assert "returned -900" in lines[0]
     assert "2 more store failures" in lines[1]
     assert events.lookups == [("error", 1)] * 4
+
+
+async def test_a_store_client_that_raises_leaves_the_encoder_without_a_store() -> None:
+    class Broken(FakeStoreClient):
+        def setup(self, *args: object) -> int:
+            raise TypeError("incompatible Mooncake build")
+
+    events = Events()
+    store = _store(events)
+    store._store_class = Broken
+    await store.run()  # returns instead of raising into the encoder's nursery
+    assert not store.connected
+    assert await store.get(["k"], [torch.zeros(4)]) == [False]
+    assert events.lookups == [("unavailable", 1)]

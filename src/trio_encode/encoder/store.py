@@ -84,7 +84,8 @@ class EmbeddingStore(Protocol):
     """The second cache level as the encoder uses it."""
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Connect and serve puts until cancelled (started in the encoder's nursery)."""
+        """Connect and serve puts until cancelled (started in the encoder's nursery). Never
+        raises an :class:`Exception`: a broken store leaves the encoder without it."""
         ...
 
     async def get(self, keys: Sequence[str], into: Sequence[torch.Tensor]) -> list[bool]:
@@ -185,6 +186,9 @@ class MooncakeEmbeddingStore:
             self.observer.store_connected(True)
             async for key, tensor in self._puts_out:
                 await self._put_now(key, tensor)
+        except Exception:
+            # The store is an optimisation: its failure must not end the encoder it serves.
+            log.exception("the store client failed; this encoder goes on without the store")
         finally:
             client, self._client = self._client, None
             self.observer.store_connected(False)
