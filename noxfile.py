@@ -66,3 +66,13 @@ def bench(session: nox.Session) -> None:
     # is the configuration where the serving path's share of the machine shows.
     spare = str(max(1, (os.cpu_count() or 2) - 1))
     session.run("trio-encode", "bench", "--torch-threads", spare, *session.posargs, env=env)
+
+
+@nox.session(python=PYTHON)
+def simulate(session: nox.Session) -> None:
+    """Cache hit rate against fleet size, content-affinity vs random routing, with and without
+    the store, under Zipf popularity; redraws the plot in docs/ (about 20 s)."""
+    _install(session, "group:simulate")
+    session.run(
+        "python", "-m", "trio_encode.bench.routing_sim", "--plot", "docs/img/routing_hit_rate.png"
+    )

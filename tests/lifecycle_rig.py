@@ -63,6 +63,9 @@ class RecordingObserver:
     def backstop_expired(self, req_id: str) -> None:
         self._add("backstop_expired", req_id)
 
+    def split_expired(self, req_id: str, served: int, receive_count: int) -> None:
+        self._add("split_expired", req_id, served, receive_count)
+
     def quarantine_changed(self, regions: int, nbytes: int) -> None:
         self._add("quarantine_changed", regions, nbytes)
 

@@ -69,6 +69,10 @@ SETTINGS = {
     "--engine-sends-per-session": "TRIO_ENCODE_ENGINE_SENDS_PER_SESSION",
     "--remote-timeout": "TRIO_ENCODE_REMOTE_TIMEOUT",
     "--remote-max-redirects": "TRIO_ENCODE_REMOTE_MAX_REDIRECTS",
+    "--store-master": "TRIO_ENCODE_STORE_MASTER",
+    "--store-segment-bytes": "TRIO_ENCODE_STORE_SEGMENT_BYTES",
+    "--store-buffer-bytes": "TRIO_ENCODE_STORE_BUFFER_BYTES",
+    "--store-wait": "TRIO_ENCODE_STORE_WAIT",
 }
 
 
@@ -170,6 +174,21 @@ def test_sglang_settings_from_flags_and_variables(captured: list[ServerSettings]
     result = CliRunner().invoke(cli, ["serve", "--remote-private-networks", "nonsense"])
     assert result.exit_code == 2
     assert "does not appear to be an IPv4 or IPv6 network" in result.output
+
+
+def test_store_flags_reach_the_encoder_settings(captured: list[ServerSettings]) -> None:
+    env = {"TRIO_ENCODE_STORE_MASTER": "10.0.0.1:50051", "TRIO_ENCODE_STORE_WAIT": "0.5"}
+    args = ["serve", "--store-segment-bytes", "1024", "--store-wait", "0.1"]
+    result = CliRunner().invoke(cli, args, env=env)
+    assert result.exit_code == 0, result.output
+    (settings,) = captured
+    assert settings.encoder.store_master == "10.0.0.1:50051"
+    assert settings.encoder.store_segment_bytes == 1024
+    assert settings.encoder.store_wait == 0.1
+    assert settings.encoder.store_buffer_bytes == EncoderSettings().store_buffer_bytes
+    bad = CliRunner().invoke(cli, ["serve", "--store-master", "nohost"])
+    assert bad.exit_code == 2
+    assert "HOST:PORT" in bad.output
 
 
 def test_encoder_settings_that_do_not_fit_together_are_a_usage_error(

@@ -274,6 +274,85 @@ def bench(as_json: bool, **options: Any) -> None:
         click.echo(result.table())
 
 
+@cli.command()
+@click.option(
+    "--encoders", type=click.IntRange(1), default=3, show_default=True, help="Encode servers."
+)
+@click.option(
+    "--ranks", type=click.IntRange(1), default=4, show_default=True, help="TP prefill ranks."
+)
+@click.option(
+    "--requests", type=click.IntRange(1), default=48, show_default=True, help="Requests to run."
+)
+@click.option(
+    "--distinct",
+    type=click.IntRange(1),
+    default=12,
+    show_default=True,
+    help="Distinct images the requests draw from (each is asked for repeatedly).",
+)
+@click.option(
+    "--concurrency",
+    type=click.IntRange(1),
+    default=4,
+    show_default=True,
+    help="Requests in flight at once.",
+)
+@click.option(
+    "--kill/--no-kill",
+    default=True,
+    show_default=True,
+    help="Kill one encoder once half of the requests are done.",
+)
+@click.option(
+    "--store/--no-store",
+    default=True,
+    show_default=True,
+    help="Start a mooncake_master and share embeddings through Mooncake Store.",
+)
+@click.option(
+    "--route-by",
+    type=click.Choice(["content", "request"]),
+    default="content",
+    show_default=True,
+    help="content: the images pick the encoder; request: the req_id does (no affinity, "
+    "for comparison).",
+)
+def fleet(
+    encoders: int,
+    ranks: int,
+    requests: int,
+    distinct: int,
+    concurrency: int,
+    kill: bool,
+    store: bool,
+    route_by: str,
+) -> None:
+    """Start a Mooncake master, ENCODERS encode servers and RANKS prefill ranks on loopback;
+    run requests with repeated images, kill one encoder half-way, print what happened.
+
+    Every rank must be served (failing over) and every copy of an image must be the same
+    bytes; exits non-zero otherwise. Servers' logs go to a temporary directory.
+    """
+    setup_logging("ERROR")
+    from trio_encode.fleet_demo import FleetDemoConfig, run_fleet_demo
+
+    config = FleetDemoConfig(
+        encoders=encoders,
+        ranks=ranks,
+        requests=requests,
+        distinct=distinct,
+        concurrency=concurrency,
+        kill=kill,
+        store=store,
+        route_by="content" if route_by == "content" else "request",
+    )
+    outcome = _run(run_fleet_demo, config)
+    click.echo(outcome.table())
+    if not outcome.ok:
+        raise SystemExit(1)
+
+
 def _run(fn: Callable[..., Any], *args: Any) -> Any:
     """``trio.run`` with start-up failures (a missing extra, a port in use, an engine that
     will not start) reported as one line, not a traceback, and an interrupt (Ctrl-C, also one

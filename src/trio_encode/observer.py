@@ -24,6 +24,11 @@ class LifecycleObserver(Protocol):
 
     def backstop_expired(self, req_id: str) -> None: ...
 
+    def split_expired(self, req_id: str, served: int, receive_count: int) -> None:
+        """The backstop ended a scope that had served some, not all, of its receivers: its
+        siblings went to another encoder (a split), or some ranks never sent."""
+        ...
+
     def quarantine_changed(self, regions: int, nbytes: int) -> None:
         """Registrations whose deregistration failed and is being retried (memory kept)."""
         ...
@@ -51,6 +56,9 @@ class NullObserver:
         pass
 
     def backstop_expired(self, req_id: str) -> None:
+        pass
+
+    def split_expired(self, req_id: str, served: int, receive_count: int) -> None:
         pass
 
     def quarantine_changed(self, regions: int, nbytes: int) -> None:

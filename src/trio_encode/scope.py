@@ -247,6 +247,8 @@ class RequestScope:
             if backstop.cancelled_caught and self.end_reason is None:
                 self.end_reason = "expired"
                 self._observer.backstop_expired(self.req_id)
+                if self.receive_count is not None and 0 < len(self._done) < self.receive_count:
+                    self._observer.split_expired(self.req_id, len(self._done), self.receive_count)
                 log.warning(
                     "backstop deadline fired with %d of %s receivers done",
                     len(self._done),

@@ -1,5 +1,8 @@
-"""What a prefill rank needs: an HTTP client for /encode and /send, and a landing pool."""
+"""What a prefill rank needs: an HTTP client for /encode and /send (to one encoder, or to a
+fleet with content-affinity routing and failover), and a landing pool."""
 
+from trio_encode.client.fleet import EncoderList, FleetClient, FleetResult, NoEncoderAvailable
+from trio_encode.client.health import HealthTracker
 from trio_encode.client.http import (
     EncodeClient,
     EncodeResult,
@@ -15,9 +18,14 @@ __all__ = [
     "ChecksumMismatch",
     "EncodeClient",
     "EncodeResult",
+    "EncoderList",
     "EngineFailed",
+    "FleetClient",
+    "FleetResult",
+    "HealthTracker",
     "LandingPool",
     "LandingSlot",
+    "NoEncoderAvailable",
     "PoolExhausted",
     "RequestError",
     "RequestRejected",

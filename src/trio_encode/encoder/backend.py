@@ -19,6 +19,9 @@ class VisionBackend(Protocol):
 
     model_id: str
     """Names the model and its weights; part of every cache key."""
+    fingerprint: str
+    """Digest of the model's kind, configuration, dtype and weights, the same on every host
+    (:mod:`trio_encode.encoder.fingerprint`); part of every key in the cluster-wide store."""
     preprocess: Preprocess
     tokens_per_image: int
     hidden_size: int

@@ -5,6 +5,10 @@ Callers queue their images; the long-lived :meth:`ImageEncoder.run` task takes u
 fill), runs the model in a worker thread and hands each request its rows. The thread is never
 abandoned: a cancelled caller waits for it, so no tensor is freed while the model writes it.
 
+Lookups go to this encoder's cache, then (when configured) to the cluster-wide store
+(:mod:`trio_encode.encoder.store`), and only what both miss is queued for a forward; every
+embedding a forward computes is offered to the store in the background.
+
 An image (by content key) that is already queued or in a forward is not queued again: a
 second request waits for the same job and gets the same row. A caller cancelled while its
 images are still queued takes them out of the queue unless another request still waits for
@@ -32,6 +36,7 @@ from trio_encode.encoder.fetch import FetchPolicy, RemoteFetcher, is_remote
 from trio_encode.encoder.images import decode_image, load_item
 from trio_encode.encoder.observer import EncoderObserver, NullEncoderObserver
 from trio_encode.encoder.settings import EncoderSettings
+from trio_encode.encoder.store import EmbeddingStore, store_key
 from trio_encode.errors import (
     EncodeFailed,
     InvalidInput,
@@ -96,6 +101,14 @@ class _Request:
 
 
 @dataclass(eq=False)
+class _StoreRead:
+    """One image being read from the store, shared by every request that needs it."""
+
+    done: trio.Event = field(default_factory=trio.Event)
+    row: torch.Tensor | None = None
+
+
+@dataclass(eq=False)
 class _Job:
     """One image waiting for (or in) a forward pass, shared by every request that needs it."""
 
@@ -125,8 +138,10 @@ class ImageEncoder:
         observer: EncoderObserver | None = None,
         run_decode: ThreadRunner | None = None,
         run_forward: ThreadRunner | None = None,
+        store: EmbeddingStore | None = None,
     ) -> None:
         self.backend = backend
+        self.store = store
         self.settings = settings if settings is not None else EncoderSettings()
         self.observer: EncoderObserver = observer or NullEncoderObserver()
         self._cache = (
@@ -153,6 +168,7 @@ class ImageEncoder:
         # Every queued or running job by its image, so a request needing the same image joins
         # it instead of encoding it again.
         self._in_flight: dict[CacheKey, _Job] = {}
+        self._store_reads: dict[CacheKey, _StoreRead] = {}
         self._reserved = 0  # images admitted and still being decoded
         self._changed = trio.Event()
         self._running = False
@@ -168,10 +184,14 @@ class ImageEncoder:
 
     @classmethod
     def from_settings(
-        cls, settings: EncoderSettings, *, observer: EncoderObserver | None = None
+        cls,
+        settings: EncoderSettings,
+        *,
+        observer: EncoderObserver | None = None,
+        store: EmbeddingStore | None = None,
     ) -> ImageEncoder:
         """Load the model the settings name. Blocking: call before serving or in a thread."""
-        return cls(load_backend(settings), settings, observer=observer)
+        return cls(load_backend(settings), settings, observer=observer, store=store)
 
     @property
     def ready(self) -> bool:
@@ -247,10 +267,62 @@ class ImageEncoder:
             misses = sum(result is None for result in results)
             self.observer.cache_looked_up(len(items) - misses, misses)
         missing = [i for i, result in enumerate(results) if result is None]
+        if missing and self.store is not None:
+            await self._look_up_store(keys, results, missing)
+            missing = [i for i, result in enumerate(results) if result is None]
         if missing:
             await self._encode_missing(items, keys, results, missing)
         rows = [result for result in results if result is not None]
         return await self._run_decode(partial(_assemble, rows))
+
+    async def _look_up_store(
+        self, keys: list[CacheKey], results: list[torch.Tensor | None], missing: list[int]
+    ) -> None:
+        """Fill ``results`` from the store where it holds the image. Images already queued or
+        in a forward here are not looked up (joining that forward is cheaper), and an image
+        another request is already reading from the store waits for that read."""
+        assert self.store is not None
+        own: dict[CacheKey, list[int]] = {}
+        joined: dict[CacheKey, list[int]] = {}
+        for index in missing:
+            key = keys[index]
+            if key not in self._in_flight:
+                (joined if key in self._store_reads else own).setdefault(key, []).append(index)
+        others = {key: self._store_reads[key] for key in joined}
+        reads = {key: _StoreRead() for key in own}
+        self._store_reads.update(reads)
+        try:
+            if reads:
+                into = [self._landing_row() for _ in reads]
+                fingerprint = self.backend.fingerprint
+                found = await self.store.get([store_key(fingerprint, k) for k in reads], into)
+                # A miss's tensor may still be written by an abandoned read: it is dropped.
+                for read, tensor, hit in zip(reads.values(), into, found, strict=True):
+                    read.row = tensor if hit else None
+        finally:
+            # Whatever happened (a cancelled caller too), those waiting on these reads go on.
+            for key, read in reads.items():
+                read.done.set()
+                if self._store_reads.get(key) is read:
+                    del self._store_reads[key]
+        for read in others.values():
+            await read.done.wait()  # bounded: the reading request's lookup is
+        for key, indices in [*own.items(), *joined.items()]:
+            row = (reads.get(key) or others[key]).row
+            if row is not None and self._cache is not None:
+                self._cache.put(key, row)
+            elif row is None and self._cache is not None:
+                row = self._cache.get(key)  # a forward elsewhere may have finished meanwhile
+            for index in indices:
+                results[index] = row
+
+    def _landing_row(self) -> torch.Tensor:
+        """Memory for one image's embedding read from the store: the tensor the request then
+        sends from and the cache keeps, so a hit is never copied. An abandoned read may still
+        write it after the lookup gave up (the store keeps it alive until then); whatever
+        provides this memory must not reuse it while a reference to it remains."""
+        backend = self.backend
+        return torch.empty(backend.tokens_per_image, backend.hidden_size, dtype=backend.dtype)
 
     async def _encode_missing(
         self,
@@ -364,7 +436,18 @@ class ImageEncoder:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve batches until cancelled. Reports started (and ``ready``) after a warm-up
-        forward pass; on exit, every request still waiting gets :class:`ShuttingDown`."""
+        forward pass; on exit, every request still waiting gets :class:`ShuttingDown`. The
+        store (if any) connects in the background: the encoder is ready without it."""
+        if self.store is None:
+            await self._run_batches(task_status=task_status)
+            return
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.store.run)
+            await self._run_batches(task_status=task_status)
+
+    async def _run_batches(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
         if self._running:
             raise RuntimeError("ImageEncoder.run is already running")
         if self.settings.warmup:
@@ -437,6 +520,8 @@ class ImageEncoder:
             self._forget(job)
             if self._cache is not None:
                 self._cache.put(job.key, row)
+            if self.store is not None:
+                self.store.put(store_key(self.backend.fingerprint, job.key), row)
             job.deliver(row)
         if self._cache is not None:
             self.observer.cache_size(self._cache.nbytes, len(self._cache))

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from PIL import Image
 
+from trio_encode.encoder.fingerprint import model_fingerprint, weights_digest
 from trio_encode.encoder.images import Preprocess
 from trio_encode.encoder.model import TORCH_DTYPES
 from trio_encode.encoder.settings import EncoderSettings
@@ -108,6 +109,14 @@ class HFVisionBackend:
         self.model_id = (
             f"hf({model_dir.resolve()},{model_type},layer={settings.hf_feature_layer},"
             f"{settings.dtype})"
+        )
+        shape = {
+            "config": config,
+            "feature_layer": settings.hf_feature_layer,
+            "preprocess": asdict(self.preprocess),
+        }
+        self.fingerprint = model_fingerprint(
+            f"hf-{model_type}", shape, settings.dtype, weights_digest(self.module)
         )
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ import hashlib
 import logging
 import warnings
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from trio_encode.encoder.fingerprint import model_fingerprint, weights_digest
 from trio_encode.encoder.images import Preprocess
 from trio_encode.encoder.settings import EncoderSettings
 
@@ -181,6 +183,19 @@ class BuiltinBackend:
             f"builtin-vit(image={settings.image_size},patch={settings.patch_size},"
             f"width={settings.width},depth={settings.depth},heads={settings.heads},"
             f"mlp={settings.mlp_ratio},hidden={settings.hidden_size},{settings.dtype},{origin})"
+        )
+        config = {
+            "image_size": settings.image_size,
+            "patch_size": settings.patch_size,
+            "width": settings.width,
+            "depth": settings.depth,
+            "heads": settings.heads,
+            "mlp_ratio": settings.mlp_ratio,
+            "hidden_size": settings.hidden_size,
+            "preprocess": asdict(self.preprocess),
+        }
+        self.fingerprint = model_fingerprint(
+            "builtin-vit", config, settings.dtype, weights_digest(self.module)
         )
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:

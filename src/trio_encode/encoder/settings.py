@@ -41,6 +41,19 @@ def _cidr(network: str) -> str:
     return network
 
 
+def _master_address(address: str) -> str:
+    """``HOST:PORT``, or ``etcd://HOST:PORT[;HOST:PORT...]`` for masters in HA mode."""
+    endpoints = address.removeprefix("etcd://").split(";")
+    for endpoint in endpoints:
+        host, colon, port = endpoint.rpartition(":")
+        if not (host and colon and port.isdigit() and 0 < int(port) < 65536):
+            raise ValueError(
+                f"must be HOST:PORT or etcd://HOST:PORT[;HOST:PORT...], got {address!r}"
+            )
+    return address
+
+
+MasterAddress = Annotated[str, AfterValidator(_master_address)]
 Names = Annotated[tuple[str, ...], BeforeValidator(_comma_list)]
 Networks = Annotated[
     tuple[Annotated[str, AfterValidator(_cidr)], ...], BeforeValidator(_comma_list)
@@ -156,6 +169,31 @@ class EncoderSettings:
         group="cache",
         ge=0,
         help="Embeddings kept for repeated images (keyed by content); 0 disables the cache.",
+    )
+
+    # The cluster-wide second level (Mooncake Store).
+    store_master: MasterAddress | None = setting(
+        None,
+        group="cache",
+        help="HOST:PORT of a mooncake_master (or etcd://HOST:PORT;... for masters in HA mode): "
+        "share embeddings with every encoder of the cluster through Mooncake Store, looked up "
+        "after this server's own cache; a slow or failed store only costs a local forward.",
+    )
+    store_segment_bytes: ByteSize = setting(
+        512 * MiB, group="cache", gt=0, help="With store_master: memory lent to the store."
+    )
+    store_buffer_bytes: ByteSize = setting(
+        64 * MiB,
+        group="cache",
+        gt=0,
+        help="With store_master: the store client's local transfer buffer.",
+    )
+    store_wait: float = setting(
+        0.2,
+        group="cache",
+        gt=0,
+        help="With store_master: seconds a request waits for a store lookup before it runs the "
+        "forward itself.",
     )
 
     # Input limits.

@@ -78,8 +78,8 @@ class QueueDepth(Protocol):
 
 
 class Metrics:
-    """The server's metrics; the service's ``LifecycleObserver`` and the encoder's
-    ``EncoderObserver``."""
+    """The server's metrics; the service's ``LifecycleObserver``, the encoder's
+    ``EncoderObserver`` and the store's ``StoreObserver``."""
 
     content_type = CONTENT_TYPE_LATEST
 
@@ -154,6 +154,12 @@ class Metrics:
         self.backstop_expiries = Counter(
             PREFIX + "backstop_expiries", "Scopes ended by their deadline.", registry=r
         )
+        self.scopes_split = Counter(
+            PREFIX + "scopes_split",
+            "Scopes ended by their deadline after serving some but not all receivers: a "
+            "request split across encoders (or ranks that never sent).",
+            registry=r,
+        )
         self.scopes_closed = Counter(
             PREFIX + "scopes_closed", "Scopes ended, by reason.", ["reason"], registry=r
         )
@@ -206,6 +212,27 @@ class Metrics:
             registry=r,
         )
 
+        # The cluster-wide store's events (StoreObserver).
+        self.store_up = Gauge(
+            PREFIX + "store_connected",
+            "1 while connected to the Mooncake Store master, else 0.",
+            registry=r,
+        )
+        self.store_lookups = Counter(
+            PREFIX + "store_lookups",
+            "Images looked up in the cluster-wide store, by result (hit, miss, error, timeout, "
+            "unavailable); all but hit run the forward locally.",
+            ["result"],
+            registry=r,
+        )
+        self.store_puts = Counter(
+            PREFIX + "store_puts",
+            "Embeddings offered to the cluster-wide store, by result (stored, failed, timeout, "
+            "dropped).",
+            ["result"],
+            registry=r,
+        )
+
     def attach(self, service: EncodeService) -> None:
         """Read the live gauges from ``service`` itself from now on."""
         self.live_scopes.set_function(lambda: len(service.registry))
@@ -254,6 +281,9 @@ class Metrics:
     def backstop_expired(self, req_id: str) -> None:
         self.backstop_expiries.inc()
 
+    def split_expired(self, req_id: str, served: int, receive_count: int) -> None:
+        self.scopes_split.inc()
+
     def quarantine_changed(self, regions: int, nbytes: int) -> None:
         self.quarantined_registrations.set(regions)
         self.quarantined_bytes.set(nbytes)
@@ -279,6 +309,17 @@ class Metrics:
 
     def rejected(self, images: int) -> None:
         self.encoder_rejected.inc(images)
+
+    # -- StoreObserver ------------------------------------------------------------------------
+
+    def store_connected(self, connected: bool) -> None:
+        self.store_up.set(1 if connected else 0)
+
+    def store_looked_up(self, result: str, images: int) -> None:
+        self.store_lookups.labels(result=result).inc(images)
+
+    def store_put(self, result: str) -> None:
+        self.store_puts.labels(result=result).inc()
 
 
 class _TimedEncoder:

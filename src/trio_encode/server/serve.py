@@ -179,9 +179,20 @@ async def run_server(settings: ServerSettings) -> ShutdownReport:
     engine = await MooncakeEngine.create(settings.engine)
     log.info("transfer engine ready at %s", engine.session_id)
     metrics = Metrics()
+    store = None
+    if settings.encoder.store_master is not None:
+        from trio_encode.encoder.store import MooncakeEmbeddingStore
+
+        store = MooncakeEmbeddingStore.from_settings(
+            settings.encoder,
+            hostname=settings.engine.hostname,
+            protocol=settings.engine.protocol,
+            device=settings.engine.device,
+            observer=metrics,
+        )
 
     def load() -> Encoder:
-        encoder = ImageEncoder.from_settings(settings.encoder, observer=metrics)
+        encoder = ImageEncoder.from_settings(settings.encoder, observer=metrics, store=store)
         log.info("encoder loaded: %s", encoder.info.model_id)
         return encoder
 

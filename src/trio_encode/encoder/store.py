@@ -1,0 +1,312 @@
+"""The second cache level: embeddings in Mooncake Store, shared by every encoder of a cluster.
+
+An encoder looks an image up in its own cache, then here, and only then runs the forward; after
+a forward it offers the embedding here, so the next encoder asked for that image (a sibling
+that failed over, an encoder that joined, an image routed elsewhere) skips the forward.
+
+Keys are ``trio-encode/<model fingerprint>/<sha256 of the image bytes>``
+(:mod:`trio_encode.encoder.fingerprint`): encoders with different models or dtypes never share
+an entry, the same model on every host always does.
+
+The store must never fail or slow a request:
+
+- a lookup waits at most ``store_wait`` seconds (for a worker thread and the reads together),
+  then the request runs the forward as if the store had missed. A Mooncake call cannot be
+  interrupted, so a lookup that runs late is abandoned, not awaited: its thread holds its own
+  reference to the memory it writes, and that memory is never used for anything else;
+- puts run in the background, off the request's path, from a bounded queue (when it is full,
+  the put is dropped);
+- the connection to the master is made in the background too; until it is up, lookups report
+  ``unavailable`` at once;
+- every outcome is counted (:class:`StoreObserver`), so a store that misbehaves shows in the
+  metrics instead of in latency.
+
+A hit is written by ``get_into`` straight into the tensor the request will send from (over TCP
+any memory works; over RDMA that memory must be registered with the store's client, which is
+what a registered arena provides).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import math
+from collections.abc import Sequence
+from typing import Any, Literal, Protocol
+
+import torch
+import trio
+
+from trio_encode.encoder.cache import CacheKey
+from trio_encode.encoder.settings import EncoderSettings
+
+log = logging.getLogger(__name__)
+
+LookupResult = Literal["hit", "miss", "error", "timeout", "unavailable"]
+PutResult = Literal["stored", "failed", "timeout", "dropped"]
+
+_OBJECT_NOT_FOUND = -704  # Mooncake Store's code for a key it does not hold
+_PUT_QUEUE = 64  # embeddings waiting to be put; more are dropped
+_PUT_SECONDS = 5.0  # one put's bound; a slower one is abandoned and counted as a timeout
+_THREADS = 4  # store calls in flight, abandoned ones included: a hung store holds at most this
+_RETRY_SECONDS = 5.0  # between attempts to reach the master
+_WARN_SECONDS = 10.0  # a failing store logs at most one line per period; metrics count all
+
+
+def store_key(fingerprint: str, key: CacheKey) -> str:
+    """The store's key for an image's embedding under the model ``fingerprint``."""
+    return f"trio-encode/{fingerprint}/{key.sha256}"
+
+
+class StoreObserver(Protocol):
+    """Receives the store's events; the server's metrics implement it. Called on the event
+    loop; implementations must be quick."""
+
+    def store_connected(self, connected: bool) -> None: ...
+
+    def store_looked_up(self, result: LookupResult, images: int) -> None: ...
+
+    def store_put(self, result: PutResult) -> None: ...
+
+
+class NullStoreObserver:
+    def store_connected(self, connected: bool) -> None:
+        pass
+
+    def store_looked_up(self, result: LookupResult, images: int) -> None:
+        pass
+
+    def store_put(self, result: PutResult) -> None:
+        pass
+
+
+class EmbeddingStore(Protocol):
+    """The second cache level as the encoder uses it."""
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Connect and serve puts until cancelled (started in the encoder's nursery). Never
+        raises an :class:`Exception`: a broken store leaves the encoder without it."""
+        ...
+
+    async def get(self, keys: Sequence[str], into: Sequence[torch.Tensor]) -> list[bool]:
+        """Fill ``into[i]`` with the embedding stored under ``keys[i]``; which were found.
+
+        Never raises for the store's sake and returns within the configured wait. A tensor
+        that was not found may still be written afterwards (an abandoned read): the caller
+        must drop it, never reuse its memory.
+        """
+        ...
+
+    def put(self, key: str, tensor: torch.Tensor) -> None:
+        """Offer an embedding, to be stored in the background; returns at once."""
+        ...
+
+
+def _store_class() -> Any:
+    try:
+        module = importlib.import_module("mooncake.store")
+    except (ImportError, OSError) as error:
+        raise RuntimeError(
+            f"--store-master needs Mooncake Store, which is not usable: {error}. Install "
+            "`trio-encode[mooncake]` (and the system library libibverbs.so.1)."
+        ) from error
+    return module.MooncakeDistributedStore
+
+
+class MooncakeEmbeddingStore:
+    """:class:`EmbeddingStore` over ``mooncake.store.MooncakeDistributedStore``.
+
+    This encoder also lends ``segment_bytes`` of its memory to the cluster's store (Mooncake
+    places objects in the segments its clients mount).
+    """
+
+    def __init__(
+        self,
+        *,
+        master: str,
+        segment_bytes: int,
+        buffer_bytes: int,
+        wait: float,
+        hostname: str = "127.0.0.1",
+        protocol: str = "tcp",
+        device: str = "",
+        observer: StoreObserver | None = None,
+    ) -> None:
+        self._store_class = _store_class()  # fails now, at start-up, if Mooncake is missing
+        self.master = master
+        self.segment_bytes = segment_bytes
+        self.buffer_bytes = buffer_bytes
+        self.wait = wait
+        self.hostname = hostname
+        self.protocol = protocol
+        self.device = device
+        self.observer: StoreObserver = observer or NullStoreObserver()
+        self._client: Any | None = None
+        self._warned_at = -math.inf
+        self._unlogged = 0
+        self._limiter = trio.CapacityLimiter(_THREADS)
+        self._puts_in, self._puts_out = trio.open_memory_channel[tuple[str, torch.Tensor]](
+            _PUT_QUEUE
+        )
+
+    @classmethod
+    def from_settings(
+        cls,
+        settings: EncoderSettings,
+        *,
+        hostname: str,
+        protocol: str,
+        device: str,
+        observer: StoreObserver | None = None,
+    ) -> MooncakeEmbeddingStore:
+        if settings.store_master is None:
+            raise ValueError("the store needs settings.store_master")
+        return cls(
+            master=settings.store_master,
+            segment_bytes=settings.store_segment_bytes,
+            buffer_bytes=settings.store_buffer_bytes,
+            wait=settings.store_wait,
+            hostname=hostname,
+            protocol=protocol,
+            device=device,
+            observer=observer,
+        )
+
+    @property
+    def connected(self) -> bool:
+        return self._client is not None
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        try:
+            while self._client is None:
+                await self._connect()
+                if self._client is None:
+                    await trio.sleep(_RETRY_SECONDS)
+            self.observer.store_connected(True)
+            async for key, tensor in self._puts_out:
+                await self._put_now(key, tensor)
+        except Exception:
+            # The store is an optimisation: its failure must not end the encoder it serves.
+            log.exception("the store client failed; this encoder goes on without the store")
+        finally:
+            client, self._client = self._client, None
+            self.observer.store_connected(False)
+            if client is not None:
+                # Unmount this encoder's segment so the master stops placing objects in it,
+                # once no call (an abandoned one included) still uses the client: holding
+                # every thread token proves it. Bounded: a hung master must not hold up
+                # shutdown; then the client is left to the process's exit.
+                with trio.CancelScope(shield=True), trio.move_on_after(2.0):
+                    for _ in range(_THREADS):
+                        await self._limiter.acquire_on_behalf_of(object())
+                    await trio.to_thread.run_sync(client.close, abandon_on_cancel=True)
+
+    async def _connect(self) -> None:
+        client = self._store_class()
+        # setup() blocks for as long as the master is unreachable (about 90 s), and cannot be
+        # interrupted: its thread is abandoned on shutdown (it touches no request's memory).
+        code = await trio.to_thread.run_sync(
+            client.setup,
+            self.hostname,
+            "P2PHANDSHAKE",
+            self.segment_bytes,
+            self.buffer_bytes,
+            self.protocol,
+            self.device,
+            self.master,
+            abandon_on_cancel=True,
+        )
+        if code == 0:
+            log.info("connected to the Mooncake Store master at %s", self.master)
+            self._client = client
+        else:
+            log.warning(
+                "cannot reach the Mooncake Store master at %s (setup returned %d); requests "
+                "run without the store, retrying in %.0f s",
+                self.master,
+                code,
+                _RETRY_SECONDS,
+            )
+
+    async def get(self, keys: Sequence[str], into: Sequence[torch.Tensor]) -> list[bool]:
+        client = self._client
+        if client is None:
+            self.observer.store_looked_up("unavailable", len(keys))
+            return [False] * len(keys)
+        targets = [
+            (key, tensor, tensor.numel() * tensor.element_size())
+            for key, tensor in zip(keys, into, strict=True)
+        ]
+
+        def read() -> list[int]:
+            # The tensors live in ``targets``, which this function holds until it returns:
+            # an abandoned read still writes only into memory it keeps alive.
+            return [client.get_into(key, t.data_ptr(), n) for key, t, n in targets]
+
+        codes: list[int] | None = None
+        with trio.move_on_after(self.wait):
+            codes = await trio.to_thread.run_sync(
+                read, abandon_on_cancel=True, limiter=self._limiter
+            )
+        if codes is None:
+            self._warn("the store took over %.3f s; running the forward instead", self.wait)
+            self.observer.store_looked_up("timeout", len(keys))
+            return [False] * len(keys)
+        found = []
+        for (key, _, nbytes), code in zip(targets, codes, strict=True):
+            result: LookupResult
+            if code == nbytes:
+                result = "hit"
+            elif code == _OBJECT_NOT_FOUND:
+                result = "miss"
+            else:
+                result = "error"
+                self._warn("store read of %s returned %d (expected %d bytes)", key, code, nbytes)
+            self.observer.store_looked_up(result, 1)
+            found.append(result == "hit")
+        return found
+
+    def _warn(self, message: str, *args: object) -> None:
+        """Log a store failure, at most once per period (a dead master fails every lookup;
+        the metrics count each one)."""
+        now = trio.current_time()
+        if now - self._warned_at < _WARN_SECONDS:
+            self._unlogged += 1
+            return
+        if self._unlogged:
+            message += f" ({self._unlogged} more store failures since the last such line)"
+        log.warning(message, *args)
+        self._warned_at, self._unlogged = now, 0
+
+    def put(self, key: str, tensor: torch.Tensor) -> None:
+        if self._client is None:
+            self.observer.store_put("dropped")
+            return
+        try:
+            self._puts_in.send_nowait((key, tensor))
+        except trio.WouldBlock:
+            self.observer.store_put("dropped")
+
+    async def _put_now(self, key: str, tensor: torch.Tensor) -> None:
+        client = self._client
+        assert client is not None
+        nbytes = tensor.numel() * tensor.element_size()
+
+        def write() -> int:
+            # Holds ``tensor`` until the write returns, also when abandoned.
+            code: int = client.put_from(key, tensor.data_ptr(), nbytes)
+            return code
+
+        code: int | None = None
+        with trio.move_on_after(_PUT_SECONDS):
+            code = await trio.to_thread.run_sync(
+                write, abandon_on_cancel=True, limiter=self._limiter
+            )
+        if code is None:
+            self.observer.store_put("timeout")
+        elif code == 0:
+            self.observer.store_put("stored")
+        else:
+            self._warn("store put of %s returned %d", key, code)
+            self.observer.store_put("failed")

@@ -1,0 +1,380 @@
+"""``trio-encode fleet``: a Mooncake master, several encoders, TP ranks, one encoder killed.
+
+The smallest cluster that shows what the fleet features are for. A ``mooncake_master`` and N
+``trio-encode serve --store-master`` processes start on loopback; in this process, TP prefill
+ranks (each with its own Mooncake engine, landing pool and :class:`FleetClient`) run a workload
+in which every image is asked for several times. Half-way through, one encoder is killed.
+
+What it shows, in the printed table:
+
+- every rank of every request is served (the ranks fail over), and every copy of an image is
+  the same bytes, checked on landing, whichever encoder served it;
+- forwards run come to about the number of distinct images: content-affinity routing sends
+  repeats to the encoder that already holds them, and after the kill their new encoder finds
+  them in the store. ``--route-by request`` (no affinity) and ``--no-store`` show the
+  alternatives for comparison.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import trio
+
+from trio_encode.client import (
+    ChecksumMismatch,
+    EncodeResult,
+    FleetClient,
+    LandingPool,
+    LandingSlot,
+    metric_value,
+)
+from trio_encode.client.fleet import RouteBy
+from trio_encode.demo import demo_image
+from trio_encode.engine.mooncake import MooncakeEngine, MooncakeSettings
+from trio_encode.errors import RequestError
+
+P = "trio_encode_"
+_SLOT_BYTES = 16 << 20  # room for one request's embedding per concurrent request and rank
+
+
+@dataclass(frozen=True)
+class FleetDemoConfig:
+    encoders: int = 3
+    ranks: int = 4
+    requests: int = 48
+    distinct: int = 12
+    """Distinct images; each request asks for one of them, so each is asked for about
+    ``requests / distinct`` times."""
+    concurrency: int = 4
+    """Requests in flight at once (each with all its ranks)."""
+    kill: bool = True
+    """Kill one encoder (SIGKILL) once half of the requests are done."""
+    store: bool = True
+    route_by: RouteBy = "content"
+    serve_options: tuple[str, ...] = ("--torch-threads", "1")
+    """Extra ``trio-encode serve`` flags for every encoder."""
+
+    def __post_init__(self) -> None:
+        for name in ("encoders", "ranks", "requests", "distinct", "concurrency"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+
+
+@dataclass
+class EncoderRow:
+    url: str
+    served: int = 0
+    forwards: float = 0.0
+    local_hits: float = 0.0
+    store_hits: float = 0.0
+    store_misses: float = 0.0
+    store_failures: float = 0.0
+    killed: bool = False
+
+
+@dataclass
+class FleetOutcome:
+    config: FleetDemoConfig
+    rows: list[EncoderRow] = field(default_factory=list)
+    served: int = 0
+    bytes_checked: int = 0
+    failovers: int = 0
+    seconds: float = 0.0
+    logs: Path | None = None
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    @property
+    def forwards(self) -> float:
+        return sum(row.forwards for row in self.rows)
+
+    def table(self) -> str:
+        c = self.config
+        head = (
+            f"{'encoder':<24} {'served':>7} {'forwards':>9} {'local hits':>11} "
+            f"{'store hits':>11} {'store misses':>13} {'store failed':>13}  state"
+        )
+        lines = [head, "-" * len(head)]
+        for row in self.rows:
+            lines.append(
+                f"{row.url.removeprefix('http://'):<24} {row.served:>7} {row.forwards:>9.0f} "
+                f"{row.local_hits:>11.0f} {row.store_hits:>11.0f} {row.store_misses:>13.0f} "
+                f"{row.store_failures:>13.0f}  "
+                + ("killed half-way (counts at the kill)" if row.killed else "up")
+            )
+        total = EncoderRow(
+            "total",
+            served=sum(r.served for r in self.rows),
+            forwards=self.forwards,
+            local_hits=sum(r.local_hits for r in self.rows),
+            store_hits=sum(r.store_hits for r in self.rows),
+            store_misses=sum(r.store_misses for r in self.rows),
+            store_failures=sum(r.store_failures for r in self.rows),
+        )
+        lines.append("-" * len(head))
+        lines.append(
+            f"{'total':<24} {total.served:>7} {total.forwards:>9.0f} {total.local_hits:>11.0f} "
+            f"{total.store_hits:>11.0f} {total.store_misses:>13.0f} "
+            f"{total.store_failures:>13.0f}"
+        )
+        lines += [
+            "",
+            f"routing by {c.route_by}, store {'on' if c.store else 'off'}: "
+            f"{c.requests} requests x {c.ranks} ranks over {c.encoders} encoders, "
+            f"{c.distinct} distinct images, in {self.seconds:.1f} s",
+            f"requests served {self.served} of {c.requests * c.ranks} rank-requests; "
+            f"bytes checked {self.bytes_checked / 1e6:.1f} MB; failovers {self.failovers}",
+            f"forwards run {self.forwards:.0f} for {c.distinct} distinct images",
+        ]
+        lines += [f"FAILED: {failure}" for failure in self.failures]
+        if self.failures and self.logs is not None:
+            lines.append(f"server logs: {self.logs}")
+        lines.append("OK: every rank served, every byte checked" if self.ok else "fleet FAILED")
+        return "\n".join(lines)
+
+
+def _executable(name: str) -> str:
+    found = shutil.which(name) or shutil.which(name, path=str(Path(sys.executable).parent))
+    if found is None:
+        raise RuntimeError(f"{name} not found: it ships with `pip install 'trio-encode[mooncake]'`")
+    return found
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@asynccontextmanager
+async def _process(command: list[str], log: Path) -> AsyncIterator[trio.Process]:
+    """A child process for the body of the ``async with``; killed on the way out."""
+    env = dict(os.environ, MC_LOG_LEVEL=os.environ.get("MC_LOG_LEVEL", "ERROR"))
+    with log.open("wb") as out:
+        process = await trio.lowlevel.open_process(
+            command, stdout=out, stderr=subprocess.STDOUT, env=env
+        )
+    try:
+        yield process
+    finally:
+        with trio.CancelScope(shield=True):
+            if process.returncode is None:
+                process.terminate()
+                with trio.move_on_after(5):
+                    await process.wait()
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+
+
+async def _until(
+    what: str, within: float, process: trio.Process, check: Callable[[], Awaitable[bool]]
+) -> None:
+    with trio.move_on_after(within):
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"{what} exited with {process.returncode}")
+            try:
+                if await check():
+                    return
+            except (OSError, httpx.HTTPError):
+                pass
+            await trio.sleep(0.2)
+    raise RuntimeError(f"{what} was not ready within {within:.0f} s")
+
+
+async def run_fleet_demo(config: FleetDemoConfig) -> FleetOutcome:
+    """Start the cluster, run the workload, stop everything; a start-up failure names the
+    directory with the processes' logs."""
+    outcome = FleetOutcome(config, logs=Path(tempfile.mkdtemp(prefix="trio-encode-fleet-")))
+    try:
+        await _run_cluster(config, outcome)
+    except RuntimeError as exc:
+        raise RuntimeError(f"{exc} (logs in {outcome.logs})") from exc
+    if outcome.ok and outcome.logs is not None:
+        shutil.rmtree(outcome.logs, ignore_errors=True)  # kept only to explain a failure
+        outcome.logs = None
+    return outcome
+
+
+async def _run_cluster(config: FleetDemoConfig, outcome: FleetOutcome) -> None:
+    assert outcome.logs is not None
+    logs = outcome.logs
+    async with AsyncExitStack() as stack:
+        http = await stack.enter_async_context(httpx.AsyncClient(timeout=5))
+        store_flags: list[str] = []
+        if config.store:
+            port = _free_port()
+            master = await stack.enter_async_context(
+                _process(
+                    [
+                        _executable("mooncake_master"),
+                        f"--rpc_port={port}",
+                        "--rpc_address=127.0.0.1",
+                        f"--metrics_port={_free_port()}",
+                    ],
+                    logs / "master.log",
+                )
+            )
+
+            async def listening() -> bool:
+                with trio.socket.socket() as sock:
+                    await sock.connect(("127.0.0.1", port))
+                return True
+
+            await _until("mooncake_master", 20, master, listening)
+            store_flags = ["--store-master", f"127.0.0.1:{port}"]
+            store_flags += ["--store-segment-bytes", str(256 << 20)]
+
+        urls: list[str] = []
+        processes: list[trio.Process] = []
+        for n in range(config.encoders):
+            port = _free_port()
+            urls.append(f"http://127.0.0.1:{port}")
+            processes.append(
+                await stack.enter_async_context(
+                    _process(
+                        [
+                            sys.executable, "-m", "trio_encode.cli", "serve",
+                            "--port", str(port), "--log-level", "WARNING",
+                            "--send-timeout", "10", "--shutdown-grace", "2",
+                            *store_flags, *config.serve_options,
+                        ],
+                        logs / f"encoder-{n}.log",
+                    )
+                )
+            )  # fmt: skip
+        for url, process in zip(urls, processes, strict=True):
+
+            async def ready(url: str = url) -> bool:
+                if (await http.get(url + "/health")).status_code != 200:
+                    return False
+                if not config.store:
+                    return True
+                text = (await http.get(url + "/metrics")).text
+                return metric_value(text, P + "store_connected") == 1
+
+            await _until(f"encoder {url}", 120, process, ready)
+
+        engines = [await MooncakeEngine.create(MooncakeSettings()) for _ in range(config.ranks)]
+        pools = [
+            await stack.enter_async_context(
+                LandingPool.open(engine, config.concurrency * _SLOT_BYTES)
+            )
+            for engine in engines
+        ]
+        clients = [
+            await stack.enter_async_context(FleetClient.open(urls, route_by=config.route_by))
+            for _ in range(config.ranks)
+        ]
+        await _workload(config, urls, processes, pools, clients, http, outcome)
+        for client in clients:
+            outcome.failovers += client.stats.failovers
+
+
+async def _workload(
+    config: FleetDemoConfig,
+    urls: list[str],
+    processes: list[trio.Process],
+    pools: list[LandingPool],
+    clients: list[FleetClient],
+    http: httpx.AsyncClient,
+    outcome: FleetOutcome,
+) -> None:
+    images = [demo_image(seed) for seed in range(config.distinct)]
+    order = [n % config.distinct for n in range(config.requests)]
+    random.Random(0).shuffle(order)
+    checksums: dict[int, str] = {}
+    rows = {url: EncoderRow(url) for url in urls}
+    outcome.rows = list(rows.values())
+    limit = trio.Semaphore(config.concurrency)
+    half = trio.Event()
+    done = 0
+    victim = urls[-1]
+
+    async def rank_request(req: int, r: int) -> None:
+        image = order[req]
+        slot: LandingSlot | None = None
+
+        def allocate(answer: EncodeResult) -> int:
+            nonlocal slot
+            slot = pools[r].allocate(answer.embedding_size)
+            return slot.address
+
+        try:
+            result = await clients[r].encode_and_send(
+                f"fleet-{req}",
+                [images[image]],
+                session_id=pools[r].session_id,
+                allocate=allocate,
+                receive_count=config.ranks,
+            )
+            assert slot is not None
+            size = result.encoded.embedding_size
+            slot.verify(size, result.encoded.checksum)
+            if checksums.setdefault(image, result.encoded.checksum) != result.encoded.checksum:
+                outcome.failures.append(f"image {image}: {result.encoder} sent other bytes")
+            outcome.bytes_checked += size
+            outcome.served += 1
+            rows[result.encoder].served += 1
+        except (RequestError, ChecksumMismatch) as exc:
+            outcome.failures.append(f"fleet-{req} rank {r}: {type(exc).__name__}: {exc}")
+        finally:
+            if slot is not None:
+                slot.release()
+
+    async def request(req: int) -> None:
+        nonlocal done
+        async with limit, trio.open_nursery() as nursery:
+            for r in range(config.ranks):
+                nursery.start_soon(rank_request, req, r)
+        done += 1
+        if done == config.requests // 2:
+            half.set()
+
+    async def kill_half_way() -> None:
+        await half.wait()
+        await _read_counts(http, rows[victim])
+        processes[-1].kill()
+        rows[victim].killed = True
+
+    started = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        if config.kill and config.encoders > 1:
+            nursery.start_soon(kill_half_way)
+        async with trio.open_nursery() as requests:
+            for req in range(config.requests):
+                requests.start_soon(request, req)
+        nursery.cancel_scope.cancel()
+    outcome.seconds = trio.current_time() - started
+    for row in outcome.rows:
+        if not row.killed:
+            await _read_counts(http, row)
+
+
+async def _read_counts(http: httpx.AsyncClient, row: EncoderRow) -> None:
+    text = (await http.get(row.url + "/metrics")).text
+    row.forwards = metric_value(text, P + "encoder_batch_size_sum")
+    row.local_hits = metric_value(text, P + "encoder_cache_hits_total")
+    row.store_hits = metric_value(text, P + "store_lookups_total", result="hit")
+    row.store_misses = metric_value(text, P + "store_lookups_total", result="miss")
+    row.store_failures = sum(
+        metric_value(text, P + "store_lookups_total", result=result)
+        for result in ("error", "timeout", "unavailable")
+    )

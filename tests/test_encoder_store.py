@@ -1,0 +1,214 @@
+"""The store level's promises that need no master: keys that cannot collide across models, a
+bounded wait on a slow store, puts that never block, and every outcome counted."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+from dataclasses import replace
+
+import pytest
+import torch
+import trio
+
+from trio_encode.encoder import CacheKey
+from trio_encode.encoder.model import BuiltinBackend
+from trio_encode.encoder.settings import EncoderSettings
+from trio_encode.encoder.store import MooncakeEmbeddingStore, store_key
+
+TINY = EncoderSettings(
+    image_size=32, patch_size=16, width=32, heads=2, depth=1, hidden_size=64, warmup=False
+)
+
+
+def test_the_fingerprint_changes_with_kind_config_dtype_and_weights_only() -> None:
+    base = BuiltinBackend(TINY).fingerprint
+    assert BuiltinBackend(TINY).fingerprint == base  # same model, same fingerprint
+    for changed in (
+        replace(TINY, dtype="bfloat16"),
+        replace(TINY, seed=1),  # other weights
+        replace(TINY, hidden_size=32),
+        replace(TINY, depth=2),
+    ):
+        assert BuiltinBackend(changed).fingerprint != base, changed
+    # Settings that do not shape the forward do not split the cache.
+    assert BuiltinBackend(replace(TINY, max_batch_size=2, cache_bytes=0)).fingerprint == base
+    key = CacheKey("any", "ab" * 32)
+    assert store_key(base, key) != store_key(BuiltinBackend(replace(TINY, seed=1)).fingerprint, key)
+
+
+class Events:
+    def __init__(self) -> None:
+        self.lookups: list[tuple[str, int]] = []
+        self.puts: list[str] = []
+
+    def store_connected(self, connected: bool) -> None:
+        pass
+
+    def store_looked_up(self, result: str, images: int) -> None:
+        self.lookups.append((result, images))
+
+    def store_put(self, result: str) -> None:
+        self.puts.append(result)
+
+
+class HungClient:
+    """A store client whose calls block until released (a master that stopped answering)."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.written = threading.Event()
+
+    def get_into(self, key: str, address: int, nbytes: int) -> int:
+        self.release.wait(10)
+        ctypes.memset(address, 1, nbytes)  # the late read still writes its buffer
+        if key == "k2":
+            self.written.set()
+        return nbytes
+
+    def put_from(self, key: str, address: int, nbytes: int) -> int:
+        self.release.wait(10)
+        return 0
+
+
+def _store(events: Events, wait: float = 0.05) -> MooncakeEmbeddingStore:
+    return MooncakeEmbeddingStore(
+        master="127.0.0.1:1", segment_bytes=1 << 20, buffer_bytes=1 << 20, wait=wait,
+        observer=events,
+    )  # fmt: skip
+
+
+async def test_a_slow_store_costs_a_request_at_most_the_bounded_wait() -> None:
+    events = Events()
+    store = _store(events)
+    client = HungClient()
+    store._client = client
+    into = [torch.zeros(16, 4), torch.zeros(16, 4)]
+    started = time.monotonic()
+    found = await store.get(["k1", "k2"], into)
+    elapsed = time.monotonic() - started
+    assert found == [False, False]
+    assert elapsed < 0.5
+    assert events.lookups == [("timeout", 2)]
+    # The abandoned read finishes later, writing only the buffers it was given (kept alive
+    # by its own reference); the caller has dropped them.
+    client.release.set()
+    assert await trio.to_thread.run_sync(client.written.wait, 5)
+    assert bool((into[1].view(torch.uint8) == 1).all())
+
+
+async def test_results_are_counted_per_image() -> None:
+    class Answers:
+        def get_into(self, key: str, address: int, nbytes: int) -> int:
+            return {"hit": nbytes, "miss": -704}.get(key, -900)
+
+    events = Events()
+    store = _store(events, wait=5.0)
+    store._client = Answers()
+    found = await store.get(["hit", "miss", "broken"], [torch.zeros(4) for _ in range(3)])
+    assert found == [True, False, False]
+    assert events.lookups == [("hit", 1), ("miss", 1), ("error", 1)]
+
+
+async def test_without_a_connection_lookups_and_puts_return_at_once() -> None:
+    events = Events()
+    store = _store(events)
+    assert await store.get(["k"], [torch.zeros(4)]) == [False]
+    store.put("k", torch.zeros(4))
+    assert events.lookups == [("unavailable", 1)]
+    assert events.puts == ["dropped"]
+
+
+async def test_puts_never_block_a_full_queue_drops() -> None:
+    events = Events()
+    store = _store(events)
+    store._client = HungClient()
+    for n in range(100):
+        store.put(f"k{n}", torch.zeros(4))  # no await: never blocks the forward's loop
+    assert events.puts == ["dropped"] * (100 - 64)
+
+
+def test_store_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        EncoderSettings(store_master="localhost")
+    with pytest.raises(ValueError, match="store_wait"):
+        EncoderSettings(store_wait=0)
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        EncoderSettings(store_master="etcd://a:1;b")
+    for address in ("10.0.0.1:50051", "etcd://10.0.0.1:2379;10.0.0.2:2379"):
+        assert EncoderSettings(store_master=address).store_master == address
+
+
+class FakeStoreClient(HungClient):
+    """Connects at once; ``close`` is recorded. Reads hang until released."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.closed = threading.Event()
+
+    def setup(self, *args: object) -> int:
+        return 0
+
+    def close(self) -> None:
+        self.closed.set()
+
+
+async def test_the_client_is_closed_only_when_no_call_still_uses_it() -> None:
+    for hung in (False, True):
+        events = Events()
+        store = _store(events)
+        client = FakeStoreClient()
+        store._store_class = lambda client=client: client
+        async with trio.open_nursery() as nursery:
+            await nursery.start(store.run)
+            while True:  # setup() runs in a thread: poll for it
+                if store.connected:
+                    break
+                await trio.sleep(0.01)
+            if hung:
+                await store.get(["k"], [torch.zeros(4)])  # abandoned, still in its thread
+            nursery.cancel_scope.cancel()
+        # Without a call in flight the segment is unmounted; with one, closing under it
+        # would free what the thread uses, so the client is left alone.
+        assert client.closed.is_set() is not hung
+        client.release.set()
+
+
+async def test_a_failing_store_logs_one_line_per_period_and_counts_every_failure(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    class Dead:
+        def get_into(self, key: str, address: int, nbytes: int) -> int:
+            return -900  # the master is gone
+
+    import trio_encode.encoder.store as store_module
+
+    monkeypatch.setattr(store_module, "_WARN_SECONDS", 0.3)
+    events = Events()
+    store = _store(events, wait=5.0)
+    store._client = Dead()
+    with caplog.at_level("WARNING", logger="trio_encode.encoder.store"):
+        for _ in range(3):
+            await store.get(["k"], [torch.zeros(4)])
+        await trio.sleep(0.35)
+        await store.get(["k"], [torch.zeros(4)])
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2, lines
+    assert "returned -900" in lines[0]
+    assert "2 more store failures" in lines[1]
+    assert events.lookups == [("error", 1)] * 4
+
+
+async def test_a_store_client_that_raises_leaves_the_encoder_without_a_store() -> None:
+    class Broken(FakeStoreClient):
+        def setup(self, *args: object) -> int:
+            raise TypeError("incompatible Mooncake build")
+
+    events = Events()
+    store = _store(events)
+    store._store_class = Broken
+    await store.run()  # returns instead of raising into the encoder's nursery
+    assert not store.connected
+    assert await store.get(["k"], [torch.zeros(4)]) == [False]
+    assert events.lookups == [("unavailable", 1)]
