@@ -7,6 +7,7 @@ behind, which :func:`engine_pair` guarantees for the registrations made through 
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
@@ -21,6 +22,27 @@ from trio_encode.engine.mooncake import MooncakeEngine, MooncakeSettings
 # A session id nobody listens on: port 1 on loopback is never a Mooncake engine.
 DEAD_MOONCAKE_SESSION = "127.0.0.1:1"
 DEAD_MEMORY_SESSION = "mem-dead:1"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("explore", "schedule exploration (tests/test_explore.py)")
+    group.addoption(
+        "--explore-seed",
+        type=int,
+        default=_env_int("TRIO_ENCODE_EXPLORE_SEED"),
+        help="replay only this seed of the random schedules (env TRIO_ENCODE_EXPLORE_SEED)",
+    )
+    group.addoption(
+        "--explore-count",
+        type=int,
+        default=_env_int("TRIO_ENCODE_EXPLORE_COUNT") or 300,
+        help="how many random schedules each exploring test runs (default 300)",
+    )
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value else None
 
 
 class BufferPool:
