@@ -48,10 +48,26 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def mutants(session: nox.Session) -> None:
-    """Re-create the brief's bugs one at a time in a copy of the package; the scope tests must
-    fail for each (proves every lifecycle rule has a test that would catch its loss)."""
+    """Re-create known lifecycle bugs one at a time in a copy of the package; each mutant's
+    killer tests must fail (every rule has a test that would catch its loss). CI runs it."""
     _install(session, "group:tests")
-    session.run("python", "tests/mutants.py", env={"GLOG_minloglevel": "2"})
+    session.run("python", "tests/mutants.py", *session.posargs, env={"GLOG_minloglevel": "2"})
+
+
+@nox.session(python=PYTHON)
+def explore(session: nox.Session) -> None:
+    """Cancel-anywhere sweeps and 10,000 random schedules of each kind (a few minutes).
+    Expected failures run as failures: every broken invariant fails the session. Replay one
+    seed with ``nox -s explore -- --explore-seed N``."""
+    _install(session, "group:tests")
+    session.run(
+        "pytest",
+        "tests/test_explore.py",
+        "--runxfail",
+        "--explore-count=10000",
+        *session.posargs,
+        env={"GLOG_minloglevel": "2"},
+    )
 
 
 @nox.session(python=PYTHON)
