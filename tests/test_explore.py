@@ -79,12 +79,24 @@ SWEEPS: dict[str, tuple[Schedule, int]] = {
     ),
 }
 XFAIL_SWEEPS = {
+    # What each sweep finds in the code today (the failing latency seeds and steps are listed
+    # in docs/testing.md); a sweep passes only once all of its breaks are fixed.
     "opener": [BREAK_OPEN_INHERITS_CANCEL, BREAK_WITHDRAWN_ATTEMPT_TRANSFERS],
-    "opener, sibling first at the scope": [BREAK_OPEN_INHERITS_CANCEL],
-    "joiner": [BREAK_WITHDRAWN_ATTEMPT_TRANSFERS],
-    "sender racing a sibling's register": [BREAK_WITHDRAWN_ATTEMPT_TRANSFERS],
-    "late sender": [BREAK_WITHDRAWN_ATTEMPT_TRANSFERS],
-    "second request on shared memory": [BREAK_LEDGER_SPINS],
+    "opener, sibling first at the scope": [
+        BREAK_OPEN_INHERITS_CANCEL,
+        BREAK_WITHDRAWN_ATTEMPT_TRANSFERS,
+    ],
+    "joiner": [BREAK_OPEN_INHERITS_CANCEL, BREAK_WITHDRAWN_ATTEMPT_TRANSFERS],
+    "late sender": [BREAK_OPEN_INHERITS_CANCEL],
+    "sender racing a sibling's register": [
+        BREAK_OPEN_INHERITS_CANCEL,
+        BREAK_WITHDRAWN_ATTEMPT_TRANSFERS,
+    ],
+    "second request on shared memory": [
+        BREAK_OPEN_INHERITS_CANCEL,
+        BREAK_WITHDRAWN_ATTEMPT_TRANSFERS,
+        BREAK_LEDGER_SPINS,
+    ],
 }
 
 
