@@ -21,6 +21,7 @@ import ctypes
 import dataclasses
 import random
 import weakref
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -29,8 +30,14 @@ import trio
 import trio.testing
 from trio._core import _run as _trio_run
 
-from trio_encode.engine import EngineError
-from trio_encode.engine.memory import CallRecord, InMemoryEngine, InMemoryFabric
+from trio_encode.engine import TRANSFER_FAILED, EngineError
+from trio_encode.engine.memory import (
+    CALL_KINDS,
+    CallKind,
+    CallRecord,
+    InMemoryEngine,
+    InMemoryFabric,
+)
 from trio_encode.errors import RequestError, RequestReleased
 from trio_encode.scope import EmbeddingMemory, Receiver
 from trio_encode.service import Encoder, EncodeService, ServiceSettings
@@ -43,6 +50,8 @@ encoder, a lock or a sibling), registering, transferring, or while memory is der
 LatencyKind = Literal["load", "encode", "register", "deregister", "transfer"]
 LATENCY_KINDS: tuple[LatencyKind, ...] = ("load", "encode", "register", "deregister", "transfer")
 
+SEND_TRIES = 3
+"""How many times a caller sends before it accepts a 502 (an engine error) as final."""
 SEND_TIMEOUT = 60.0
 """The scopes' backstop in explored runs: far beyond any drawn latency, so siblings that keep
 calling are always served in time, yet short enough that abandoned scopes expire quickly."""
@@ -84,6 +93,9 @@ class Schedule:
     hit), so their scopes lease one registration."""
     max_latency: tuple[tuple[LatencyKind, float], ...] = tuple((k, 2.0) for k in LATENCY_KINDS)
     """Upper bound of each kind's virtual latency (0 makes those calls instantaneous)."""
+    fault_rate: float = 0.0
+    """Chance that an engine call (register, deregister, transfer) fails with Mooncake's -1,
+    without effect; callers answered 502 send again, up to :data:`SEND_TRIES` times."""
     victim: int | None = None
     """Index in :attr:`callers` of the caller cancelled at step :attr:`cancel_at`."""
     cancel_at: int | None = None
@@ -108,6 +120,8 @@ class Answer:
     call: Literal["encode", "send"]
     status: int
     error: str = ""
+    engine_call: str = ""
+    """For a 502, the engine call that failed."""
 
 
 @dataclass
@@ -151,7 +165,11 @@ class Workload:
 
 
 def random_schedule(
-    seed: int, *, cancellations: bool = True, threads_take_time: bool = True
+    seed: int,
+    *,
+    cancellations: bool = True,
+    threads_take_time: bool = True,
+    faults: bool = True,
 ) -> Schedule:
     """A schedule drawn from ``seed``: 1-4 ranks, 1-2 requests (sometimes sharing their image),
     random arrivals and gaps, and (with ``cancellations``) a random subset of callers cancelled
@@ -159,7 +177,7 @@ def random_schedule(
 
     With ``threads_take_time=False`` the calls that run in worker threads (loading items,
     registering, deregistering) take no virtual time, so no cancellation lands inside one and
-    no call waits for one to settle.
+    no call waits for one to settle. With ``faults`` one engine call in ten fails.
     """
     rng = random.Random(seed)
     ranks = rng.randint(1, 4)
@@ -194,6 +212,7 @@ def random_schedule(
         requests=requests,
         shared_image=requests > 1 and rng.random() < 0.5,
         max_latency=tuple(bounds.items()),
+        fault_rate=0.1 if faults else 0.0,
     )
 
 
@@ -299,28 +318,55 @@ class _ThreadLikeEncoder:
 
 
 class _RecordingEngine:
-    """The service's engine: forwards to an in-memory engine and appends every completed
-    write to the run's ordered log, right when its bytes have landed."""
+    """The service's engine: forwards to an in-memory engine, makes seeded calls fail (as
+    Mooncake's -1, without effect), and appends every completed write to the run's ordered
+    log, right when its bytes have landed."""
 
-    def __init__(self, engine: InMemoryEngine, log: list[tuple[str, Receiver]]) -> None:
+    def __init__(
+        self, engine: InMemoryEngine, log: list[tuple[str, Receiver]], schedule: Schedule
+    ) -> None:
         self.engine = engine
         self._log = log
+        self._rate = schedule.fault_rate
+        self._streams = {
+            kind: random.Random(f"{schedule.seed}:fault:{kind}") for kind in CALL_KINDS
+        }
+        self.injected: set[int] = set()
+        """Sequence numbers of the calls made to fail."""
+        self.failed_transfers: Counter[Receiver] = Counter()
+        self.failed_registers = 0
 
     @property
     def session_id(self) -> str:
         return self.engine.session_id
 
+    async def _maybe_fail(self, kind: CallKind) -> bool:
+        # Decide only once the call is sure to start (a cancelled caller never starts one),
+        # so the failure scripted here is the one this call consumes.
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if self._rate <= 0 or self._streams[kind].random() >= self._rate:
+            return False
+        self.engine.fail_next(kind, TRANSFER_FAILED)
+        self.injected.add(len(self.engine.history))
+        return True
+
     async def register(self, address: int, length: int) -> None:
+        if await self._maybe_fail("register"):
+            self.failed_registers += 1
         await self.engine.register(address, length)
 
     async def deregister(self, address: int) -> None:
+        await self._maybe_fail("deregister")
         await self.engine.deregister(address)
 
     async def transfer(
         self, session_id: str, local_address: int, remote_address: int, length: int
     ) -> None:
+        receiver = Receiver(session_id, remote_address)
+        if await self._maybe_fail("transfer"):
+            self.failed_transfers[receiver] += 1
         await self.engine.transfer(session_id, local_address, remote_address, length)
-        self._log.append(("wrote", Receiver(session_id, remote_address)))
+        self._log.append(("wrote", receiver))
 
 
 class _StepCanceller(trio.abc.Instrument):
@@ -389,7 +435,7 @@ class _Run:
         for kind in ("register", "deregister", "transfer"):
             self.sender.script_latency(kind, self._engine_latency)
         self.log: list[tuple[str, Receiver]] = []
-        self.engine = _RecordingEngine(self.sender, self.log)
+        self.engine = _RecordingEngine(self.sender, self.log, schedule)
         self.encoder = _ThreadLikeEncoder(
             workload.make_encoder(), self.latencies, shared=schedule.shared_image
         )
@@ -507,14 +553,17 @@ class _Run:
             return
         await trio.sleep(state.caller.gap)
         state.call = "send"
-        status = await self._answer(
-            state,
-            attempt,
-            "send",
-            self.service.send(state.req_id, state.receiver, receive_count=self.schedule.ranks),
-        )
-        if status == 200:
-            self.log.append(("answered", state.receiver))
+        for _ in range(SEND_TRIES):
+            status = await self._answer(
+                state,
+                attempt,
+                "send",
+                self.service.send(state.req_id, state.receiver, receive_count=self.schedule.ranks),
+            )
+            if status == 200:
+                self.log.append(("answered", state.receiver))
+            if status != 502:
+                return
 
     async def _answer(
         self,
@@ -529,7 +578,7 @@ class _Run:
             self.answers.append(Answer(state.index, attempt, call, exc.status, repr(exc)))
             return exc.status
         except EngineError as exc:
-            self.answers.append(Answer(state.index, attempt, call, 502, repr(exc)))
+            self.answers.append(Answer(state.index, attempt, call, 502, repr(exc), exc.call))
             return 502
         self.answers.append(Answer(state.index, attempt, call, 200))
         return 200
@@ -596,7 +645,7 @@ def _judge(run: _Run, outcome: Outcome) -> None:
     sender = run.sender
     failures += [f"engine violation: {v}" for v in run.fabric.violations]
     for call in sender.history:
-        if call.done and not call.ok and call.kind != "transfer":
+        if call.done and not call.ok and call.seq not in run.engine.injected:
             failures.append(f"{call.kind} failed with {call.code} (#{call.seq})")
     if sender.live_registrations:
         failures.append(f"registrations left: {sender.live_registrations}")
@@ -632,29 +681,47 @@ def _judge_writes(run: _Run, failures: list[str]) -> None:
 
 
 def _judge_answers(run: _Run, failures: list[str]) -> None:
-    """Siblings are unaffected; a cancelled caller's retry is served (or told it is done)."""
+    """Siblings are unaffected; a cancelled caller's retry is served (or told it is done);
+    a 502 is answered only for an engine call that was made to fail."""
+    register_faults = run.engine.failed_registers
+    transfer_faults = Counter(run.engine.failed_transfers)
     for state in run.states:
         answers = [a for a in run.answers if a.caller == state.index]
-        expected = run.workload.expected[
-            run.workload.request_index(run.schedule, state.caller.request)
-        ]
-        landed = run.buffers[state.receiver].raw[: len(expected)] == expected
+        request = run.workload.request_index(run.schedule, state.caller.request)
+        landed = (
+            run.buffers[state.receiver].raw[: len(run.workload.expected[request])]
+            == (run.workload.expected[request])
+        )
         if not state.cancelled:
             final = [a for a in answers if a.attempt == 0]
         elif state.caller.retries:
             final = [a for a in answers if a.attempt == 1]
         else:
             continue
+        role = "retry" if state.cancelled else "sibling"
         for answer in final:
-            # 410 is right only for a retry whose first transfer already completed and counted.
-            released = answer.status == RequestReleased.status and state.cancelled and landed
-            if answer.status != 200 and not released:
-                failures.append(
-                    f"caller {state.index} ({'retry' if state.cancelled else 'sibling'}) "
-                    f"got {answer.status} for {answer.call}: {answer.error}"
-                )
-        if [a.call for a in final] == ["encode", "send"] and final[-1].status == 200 and not landed:
+            if answer.status == 200:
+                continue
+            if answer.status == 502 and answer.engine_call == "transfer":
+                if transfer_faults[state.receiver] > 0:
+                    transfer_faults[state.receiver] -= 1
+                    continue
+            elif answer.status == 502 and answer.engine_call == "register":
+                if register_faults > 0:
+                    register_faults -= 1
+                    continue
+            # 410 is right only for a retry whose first transfer already landed and counted.
+            elif answer.status == RequestReleased.status and state.cancelled and landed:
+                continue
+            failures.append(
+                f"caller {state.index} ({role}) got {answer.status} for {answer.call}: "
+                f"{answer.error}"
+            )
+        sends = [a for a in final if a.call == "send"]
+        if sends and sends[-1].status == 200 and not landed:
             failures.append(f"caller {state.index} was answered 200 but its bytes did not land")
+        if final and final[-1].call == "encode" and final[-1].status == 200:
+            failures.append(f"caller {state.index} got no answer to its send")
 
 
 # -- sweeps ----------------------------------------------------------------------------------
@@ -684,12 +751,16 @@ def explore_seeds(
     *,
     cancellations: bool = True,
     threads_take_time: bool = True,
+    faults: bool = True,
 ) -> list[Outcome]:
     """Run :func:`random_schedule` for each seed; the failing outcomes."""
     failing = []
     for seed in seeds:
         schedule = random_schedule(
-            seed, cancellations=cancellations, threads_take_time=threads_take_time
+            seed,
+            cancellations=cancellations,
+            threads_take_time=threads_take_time,
+            faults=faults,
         )
         outcome = run_schedule(schedule, workload)
         if not outcome.ok:
