@@ -95,7 +95,8 @@ class Schedule:
     """Upper bound of each kind's virtual latency (0 makes those calls instantaneous)."""
     fault_rate: float = 0.0
     """Chance that an engine call (register, deregister, transfer) fails with Mooncake's -1,
-    without effect; callers answered 502 send again, up to :data:`SEND_TRIES` times."""
+    without effect; a deregistration fails at most once per address, as a transient error
+    would. Callers answered 502 send again, up to :data:`SEND_TRIES` times."""
     victim: int | None = None
     """Index in :attr:`callers` of the caller cancelled at step :attr:`cancel_at`."""
     cancel_at: int | None = None
@@ -335,6 +336,7 @@ class _RecordingEngine:
         """Sequence numbers of the calls made to fail."""
         self.failed_transfers: Counter[Receiver] = Counter()
         self.failed_registers = 0
+        self._failed_deregistrations: set[int] = set()
 
     @property
     def session_id(self) -> str:
@@ -356,7 +358,9 @@ class _RecordingEngine:
         await self.engine.register(address, length)
 
     async def deregister(self, address: int) -> None:
-        await self._maybe_fail("deregister")
+        # A failed deregistration is transient: asked again, the engine releases the memory.
+        if address not in self._failed_deregistrations and await self._maybe_fail("deregister"):
+            self._failed_deregistrations.add(address)
         await self.engine.deregister(address)
 
     async def transfer(
