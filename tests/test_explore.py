@@ -10,6 +10,7 @@ shared memory and cancellations from seeds; a failure prints the schedule, and
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
@@ -22,6 +23,7 @@ from trio_encode.testing import (
     Workload,
     cancel_everywhere,
     explore_seeds,
+    random_schedule,
     run_schedule,
 )
 
@@ -106,6 +108,16 @@ XFAIL_SWEEPS = {
 }
 
 
+_SWEPT: dict[str, list[Outcome]] = {}
+
+
+def _swept(name: str, workload: Workload) -> list[Outcome]:
+    """The sweep's outcomes, run once per test session (several tests read them)."""
+    if name not in _SWEPT:
+        _SWEPT[name] = _sweep(name, workload)
+    return _SWEPT[name]
+
+
 def _sweep(name: str, workload: Workload) -> list[Outcome]:
     schedule, victim = SWEEPS[name]
     outcomes = []
@@ -134,20 +146,47 @@ def _params(*only: str) -> list[object]:
 def test_cancel_at_every_checkpoint(name: str, workload: Workload) -> None:
     """A caller cancelled at any checkpoint leaves every invariant standing, its siblings
     served, and its retry served, with no write into its buffer after its 200."""
-    outcomes = _sweep(name, workload)
+    outcomes = _swept(name, workload)
     assert len(outcomes) > len(LATENCY_SEEDS)  # every sweep reaches several checkpoints
     failing = [outcome for outcome in outcomes if not outcome.ok]
     assert not failing, _report(failing)
 
 
-@pytest.mark.xfail(
-    strict=True, reason=f"only the shared-memory sweep waits on a release: {BREAK_LEDGER_SPINS}"
-)
-def test_sweeps_reach_every_phase(workload: Workload) -> None:
-    """Together the sweeps cancel a caller in every phase of the paths: load, open, wait,
-    register, transfer and release."""
-    reached = {outcome.phase for name in SWEEPS for outcome in _sweep(name, workload)}
-    assert set(PHASES) <= reached
+def test_sweeps_reach_every_phase_but_release(workload: Workload) -> None:
+    """Together the sweeps cancel a caller in the load, open, wait, register and transfer
+    phases of the paths."""
+    reached = {outcome.phase for name in SWEEPS for outcome in _swept(name, workload)}
+    assert set(PHASES) - {"release"} <= reached
+
+
+@pytest.mark.xfail(strict=True, reason=BREAK_LEDGER_SPINS)
+def test_shared_memory_sweep_cancels_a_caller_waiting_on_a_release(workload: Workload) -> None:
+    """The second request on shared memory is cancelled while the first deregisters it."""
+    reached = {outcome.phase for outcome in _swept("second request on shared memory", workload)}
+    assert "release" in reached
+
+
+@pytest.mark.parametrize("seed", [7, 14, 56])
+def test_a_seed_replays_exactly(seed: int, workload: Workload) -> None:
+    """Equal schedules give identical runs (answers, findings, steps), so a printed failing
+    seed replays; seeds 7, 14 and 56 each find a break today."""
+
+    assert _facts(run_schedule(random_schedule(seed), workload)) == _facts(
+        run_schedule(random_schedule(seed), workload)
+    )
+
+
+def test_a_sweep_replays_exactly(workload: Workload) -> None:
+    """The same holds for a whole cancel-anywhere sweep, run for run."""
+    swept = [_facts(outcome) for outcome in _swept("opener", workload)]
+    assert swept == [_facts(outcome) for outcome in _sweep("opener", workload)]
+
+
+def _facts(outcome: Outcome) -> tuple[object, ...]:
+    """An outcome without the memory addresses, which differ from run to run."""
+    answers = [(a.caller, a.attempt, a.call, a.status, a.engine_call) for a in outcome.answers]
+    failures = [re.sub(r"0x[0-9a-f]+|\d{6,}", "#", failure) for failure in outcome.failures]
+    return (answers, failures, outcome.victim_steps, outcome.phase)
 
 
 @pytest.mark.parametrize("name", _params(BREAK_LEDGER_SPINS))
