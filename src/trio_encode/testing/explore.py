@@ -4,10 +4,12 @@ Why: the races this project exists to prevent hide at awaits nobody thought abou
 hand-written test forces one interleaving; this driver forces all of them. It runs the
 service (:class:`~trio_encode.service.EncodeService`, the in-memory engine, an encoder whose
 calls behave like worker threads) on Trio's mock clock with TP callers per request, then
-either cancels one caller at *every* checkpoint its task reaches (one run per checkpoint) or
-draws latencies, arrivals and cancellations from a seed. Every run is judged against the
-lifecycle's invariants plus two that only show from outside: no write into a receiver's buffer
-after that receiver was answered 200, and siblings of a cancelled caller are unaffected.
+either cancels one caller after *every* task step taken while its call is in flight (one run
+per step: each of its checkpoints, in each state the rest of the system passes through while it
+waits there), or draws latencies, arrivals, engine faults and cancellations from a seed. Every
+run is judged against the lifecycle's invariants plus two that only show from outside: no
+write into a receiver's buffer after that receiver was answered 200, and siblings of a
+cancelled caller are unaffected.
 
 Runs are reproducible: latencies come from per-kind random streams seeded by the schedule, and
 Trio's order of ready tasks is a seeded shuffle (the hook Trio itself offers to Hypothesis).
