@@ -65,6 +65,7 @@ def explore(session: nox.Session) -> None:
         "tests/test_explore.py",
         "--runxfail",
         "--explore-count=10000",
+        "--show-capture=no",  # a failure's report is its schedule, not thousands of log lines
         *session.posargs,
         env={"GLOG_minloglevel": "2"},
     )
