@@ -660,7 +660,10 @@ def _judge(run: _Run, outcome: Outcome) -> None:
     for ref, address, nbytes in run.encoder.handed_out:
         if ref() is not None:
             failures.append(f"embedding {address:#x}+{nbytes} still held after the run")
-    bound = SEND_TIMEOUT + run.schedule.latency_bound("transfer")
+    # Invariant 4: the deadline, plus the longest engine call already running then (a
+    # transfer, or a registration), plus the release's own deregistration (retried once).
+    latency = run.schedule.latency_bound
+    bound = SEND_TIMEOUT + max(latency("transfer"), latency("register")) + 2 * latency("deregister")
     for req_id, opened in run.opened.items():
         closed = run.closed.get(req_id)
         if closed is None or closed - opened > bound:
