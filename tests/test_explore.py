@@ -155,8 +155,12 @@ def test_cancel_at_every_checkpoint(name: str, workload: Workload) -> None:
 def test_sweeps_reach_every_phase_but_release(workload: Workload) -> None:
     """Together the sweeps cancel a caller in the load, open, wait, register and transfer
     phases of the paths."""
-    reached = {outcome.phase for name in SWEEPS for outcome in _swept(name, workload)}
-    assert set(PHASES) - {"release"} <= reached
+    outcomes = [outcome for name in SWEEPS for outcome in _swept(name, workload)]
+    assert set(PHASES) - {"release"} <= {outcome.phase for outcome in outcomes}
+    for outcome in outcomes:
+        if outcome.schedule.cancel_at:  # each run's cancellation landed at its own step
+            assert outcome.victim_steps == outcome.schedule.cancel_at
+            assert outcome.phase is not None
 
 
 @pytest.mark.xfail(strict=True, reason=BREAK_LEDGER_SPINS)
