@@ -135,7 +135,8 @@ class Outcome:
     failures: list[str] = field(default_factory=list)
     answers: list[Answer] = field(default_factory=list)
     victim_steps: int = 0
-    """Task steps run while the victim's first attempt ran (up to its cancellation)."""
+    """Task steps run while the victim's first attempt ran (a cancelled attempt may take a
+    few more steps to unwind, e.g. waiting for a worker-thread call)."""
     phase: Phase | None = None
     """Where the victim was when cancelled (``None`` if the step was never reached)."""
 
