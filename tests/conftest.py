@@ -34,6 +34,27 @@ def _no_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
             monkeypatch.delenv(name)
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("explore", "schedule exploration (tests/test_explore.py)")
+    group.addoption(
+        "--explore-seed",
+        type=int,
+        default=_env_int("TRIO_ENCODE_EXPLORE_SEED"),
+        help="replay only this seed of the random schedules (env TRIO_ENCODE_EXPLORE_SEED)",
+    )
+    group.addoption(
+        "--explore-count",
+        type=int,
+        default=_env_int("TRIO_ENCODE_EXPLORE_COUNT") or 300,
+        help="how many random schedules each exploring test runs (default 300)",
+    )
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value else None
+
+
 class BufferPool:
     """Allocates real CPU memory (uint8 tensors) and keeps it alive until the test ends, so
     no registered address can be freed under an engine."""

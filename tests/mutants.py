@@ -1,115 +1,274 @@
 """Break the lifecycle on purpose, one rule at a time, and check the tests notice.
 
-Each mutant is one small edit to ``scope.py`` or ``registrations.py`` that re-creates a bug
-from ``brief.md``. The scope tests run against a copy of the package with that edit; a mutant
-that leaves them green means an invariant has no test that would fail without it.
+Each mutant is one small edit to the package that re-creates one of the failures listed in
+``docs/failures.md`` (named by its number). Its *killers* are the tests that must fail
+against a copy of the package with that edit; a mutant that leaves them green means a rule has
+no test that would fail without it. Running only the killers keeps this fast enough for CI.
 
-Run it with ``nox -s mutants`` (or ``python tests/mutants.py``); it exits non-zero if any
-mutant survives.
+``python tests/mutants.py`` (``nox -s mutants``, run by CI) runs every mutant against its
+killers and exits non-zero if any survives. ``python tests/mutants.py --broad`` runs each
+against the whole lifecycle suite and lists every test that kills it, to choose killers from.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TESTS = [
+BROAD = (
     "tests/test_scope_invariants.py",
     "tests/test_scope_catches_naive.py",
     "tests/test_service_shutdown.py",
-]
+    "tests/test_registration_ledger.py",
+    "tests/test_explore.py",
+    "tests/test_scope_faults.py",
+)
+INVARIANTS = "tests/test_scope_invariants.py::"
+FAULTS = "tests/test_scope_faults.py::"
+EXPLORE = "tests/test_explore.py::"
 
-# name -> (file under src/trio_encode, text to replace, replacement)
-MUTANTS: dict[str, tuple[str, str, str]] = {
-    "siblings each register (story 1)": (
+
+@dataclass(frozen=True)
+class Mutant:
+    """An edit of ``file`` (under src/trio_encode) and the tests that must catch it."""
+
+    file: str
+    old: str
+    new: str
+    killers: tuple[str, ...]
+    also: tuple[tuple[str, str, str], ...] = ()
+    """Further ``(file, old, new)`` edits, for a rule that two parts of the code enforce."""
+
+    def edits(self) -> tuple[tuple[str, str, str], ...]:
+        return ((self.file, self.old, self.new), *self.also)
+
+
+MUTANTS: dict[str, Mutant] = {
+    "siblings each register (failure 1)": Mutant(
         "scope.py",
         "            if self._lease is None:\n                try:",
         "            if True:\n                try:",
+        (
+            INVARIANTS + "test_sibling_sends_register_once",
+            EXPLORE + "test_random_schedules_without_cancellation",
+        ),
     ),
-    "requests sharing memory each register (story 10)": (
+    "requests sharing memory each register (failure 10)": Mutant(
         "registrations.py",
         "            if region is None:\n                return await self._register",
         "            if True:\n                return await self._register",
+        (
+            INVARIANTS + "test_two_requests_sharing_memory_register_it_once",
+            EXPLORE + "test_random_schedules_without_cancellation",
+        ),
     ),
-    "embedding dropped before deregistration (story 2)": (
+    "embedding dropped before deregistration (failure 2)": Mutant(
+        # The scope drops it last, and the ledger keeps it while registered: break both.
         "scope.py",
         "        lease, self._lease = self._lease, None\n",
         "        lease, self._lease = self._lease, None\n        self._embedding = None\n",
+        (
+            INVARIANTS + "test_embedding_is_dropped_only_after_deregistration",
+            EXPLORE + "test_random_schedules_without_cancellation",
+        ),
+        also=(
+            (
+                "registrations.py",
+                "        region = _Region(address, length, owners=[owner])",
+                "        region = _Region(address, length)",
+            ),
+            (
+                "registrations.py",
+                "            region.owners.append(owner)\n",
+                "            pass\n",
+            ),
+        ),
     ),
-    "transfer errors swallowed (story 3)": (
+    "transfer errors swallowed (failure 3)": Mutant(
         "scope.py",
         "        except EngineError as exc:\n            if exc.call",
         "        except BaseException:\n            pass\n        except EngineError as exc:\n"
         "            if exc.call",
+        (INVARIANTS + "test_transfer_error_is_raised_with_its_code",),
     ),
-    "transfer runs in the handler, not the scope (story 6)": (
+    "transfer runs in the handler, not the scope (failure 6)": Mutant(
         "scope.py",
         "            self._nursery.start_soon(self._run_attempt, attempt)\n"
         "        attempt.waiters += 1",
         "            attempt.waiters += 1\n            await self._run_attempt(attempt)\n"
         "        else:\n            attempt.waiters += 1",
+        (INVARIANTS + "test_scope_waits_for_a_transfer_stuck_in_its_thread",),
     ),
-    "cleanup not shielded (story 6)": (
+    "cleanup not shielded (failure 6)": Mutant(
         "scope.py",
         "            with trio.CancelScope(shield=True):\n                await self._release()",
         "            if True:\n                await self._release()",
+        (INVARIANTS + "test_cancelling_the_service_nursery_still_deregisters",),
     ),
-    "retry counted as a new receiver (story 7)": (
+    "retry counted as a new receiver (failure 7)": Mutant(
         "scope.py",
         "            self._done.add(attempt.receiver)",
         "            self._done.add(Receiver(attempt.receiver.session_id, -len(self._done) - 1))",
+        (INVARIANTS + "test_retry_from_the_same_receiver_is_not_a_new_receiver",),
     ),
-    "failed encode leaves the scope open (story 8)": (
+    "failed encode leaves the scope open (failure 8)": Mutant(
         "scope.py",
         '            self._finish("encode_failed")\n        else:',
         "            pass\n        else:",
+        (INVARIANTS + "test_failed_encode_answers_every_waiting_sender",),
     ),
-    "disconnected client's send still starts (invariant 7)": (
+    "disconnected client's send still starts (invariant 7)": Mutant(
         "scope.py",
         "                attempt.withdraw.cancel()",
         "                pass",
+        (INVARIANTS + "test_client_disconnect_before_its_transfer_starts_withdraws_it",),
+    ),
+    "lease granted on a region still registering": Mutant(
+        "registrations.py",
+        '            if region.state in ("registering", "deregistering"):',
+        '            if region.state == "deregistering":',
+        (
+            "tests/test_registration_ledger.py::test_lease_waits_for_a_region_still_registering",
+            EXPLORE + "test_random_schedules_without_cancellation",
+        ),
+    ),
+    "lease granted on a region being deregistered": Mutant(
+        "registrations.py",
+        '            if region.state in ("registering", "deregistering"):',
+        '            if region.state == "registering":',
+        ("tests/test_registration_ledger.py::test_lease_waits_for_a_region_being_deregistered",),
+    ),
+    "a lease spins on a region being deregistered": Mutant(
+        "registrations.py",
+        "        region.settled = trio.Event()  # a fresh one",
+        "        pass  # a fresh one",
+        ("tests/test_registration_ledger.py::test_lease_waiting_for_a_deregistration_blocks",),
+    ),
+    "a withdrawn send still transfers (failure 11)": Mutant(
+        "scope.py",
+        "attempt.transferring = not attempt.withdraw.cancel_called",
+        "attempt.transferring = True",
+        (FAULTS + "test_a_withdrawn_send_never_writes_after_its_retry_answered",),
+    ),
+    "a scope opens inside its opener's cancellation (failure 12)": Mutant(
+        "registry.py",
+        "        with trio.CancelScope(shield=True):\n            await self._nursery.start",
+        "        if True:\n            await self._nursery.start",
+        (FAULTS + "test_an_openers_disconnect_does_not_end_the_request_for_its_siblings",),
+    ),
+    "a frozen rank may hold every transfer thread (failure 13)": Mutant(
+        "engine/threads.py",
+        "                self.settings.sends_per_session\n",
+        "                1_000_000\n",
+        (FAULTS + "test_a_frozen_rank_parks_only_its_own_sends",),
+    ),
+    "a 503 from the encoder is remembered (failure 14)": Mutant(
+        "scope.py",
+        'self._finish("refused")',
+        'self._finish("encode_failed")',
+        (FAULTS + "test_a_transient_refusal_leaves_nothing_behind",),
+    ),
+    "a second shutdown request restarts the grace (failure 15)": Mutant(
+        "service.py",
+        "        if self.registry.closed:\n            self.end_grace()",
+        "        if self.shutdown_report is not None:\n            return self.shutdown_report\n"
+        "        if False:\n            self.end_grace()",
+        (FAULTS + "test_interrupting_shutdown_cuts_the_grace_short",),
+    ),
+    "an unexpected error escapes its request (failure 16)": Mutant(
+        "scope.py",
+        "        except Exception as exc:\n            self._fail_unexpectedly(exc)\n"
+        "        finally:\n            if not attempt",
+        "        finally:\n            if not attempt",
+        (FAULTS + "test_an_unexpected_error_ends_only_its_own_request",),
+    ),
+    "a failed deregistration frees the memory (failure 17)": Mutant(
+        "registrations.py",
+        "            else:\n                self._quarantine(region)\n            raise",
+        "            else:\n                self._forget(region)\n            raise",
+        (
+            FAULTS + "test_a_failed_deregistration_keeps_the_memory_until_a_retry_succeeds",
+            EXPLORE + "test_random_schedules_with_engine_faults",
+        ),
+    ),
+    "a served rank's lost answer becomes a 410 (failure 18)": Mutant(
+        "registry.py",
+        "        if tomb is None or tomb.shape is None or receiver not in tomb.done:",
+        "        if True:",
+        (FAULTS + "test_a_served_receiver_that_retries_after_completion_gets_its_answer_again",),
     ),
 }
 
 
-def run_mutant(name: str, filename: str, old: str, new: str) -> bool:
-    """True if the tests fail (the mutant is killed)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        src = Path(tmp) / "src"
-        shutil.copytree(ROOT / "src", src)
-        target = src / "trio_encode" / filename
+def _mutated_tree(tmp: str, name: str, mutant: Mutant) -> Path:
+    src = Path(tmp) / "src"
+    shutil.copytree(ROOT / "src", src)
+    for file, old, new in mutant.edits():
+        target = src / "trio_encode" / file
         text = target.read_text()
         if text.count(old) != 1:
-            raise SystemExit(f"mutant {name!r} no longer applies to {filename}; update it")
+            raise SystemExit(f"mutant {name!r} no longer applies to {file}; update it")
         target.write_text(text.replace(old, new))
-        env = {**os.environ, "PYTHONPATH": f"{src}{os.pathsep}{ROOT / 'tests'}"}
-        try:
-            result = subprocess.run(
-                [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *TESTS],
-                cwd=ROOT,
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=300,
-            )
-        except subprocess.TimeoutExpired:
-            return True  # a hang is a failure too, if a poor one
-        return result.returncode != 0
+    return src
+
+
+def _pytest(src: Path, tests: tuple[str, ...], *extra: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": f"{src}{os.pathsep}{ROOT / 'tests'}"}
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *extra, *tests]
+    try:
+        return subprocess.run(
+            command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+        )
+    except subprocess.TimeoutExpired as exc:
+        # A hang is a failure too, if a poor one.
+        return subprocess.CompletedProcess(command, 1, "", f"timed out: {exc}")
+
+
+def run_mutant(name: str, mutant: Mutant) -> bool:
+    """True if the mutant's killers fail (the mutant is killed)."""
+    if not mutant.killers:
+        raise SystemExit(f"mutant {name!r} names no killers")
+    with tempfile.TemporaryDirectory() as tmp:
+        result = _pytest(_mutated_tree(tmp, name, mutant), mutant.killers, "-x")
+        # Only failing tests kill: an error finding a killer (exit code 4 or 5) is no kill.
+        return result.returncode == 1
+
+
+def killers_of(name: str, mutant: Mutant) -> list[str]:
+    """Every test in the broad lifecycle suite that fails with the mutant in place."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result = _pytest(_mutated_tree(tmp, name, mutant), BROAD, "-rf", "--tb=no")
+        return re.findall(r"^FAILED (\S+)", result.stdout, flags=re.MULTILINE)
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--broad", action="store_true", help="list every test that kills each")
+    parser.add_argument("-k", dest="only", default="", help="only mutants whose name has this")
+    args = parser.parse_args()
+    chosen = {name: m for name, m in MUTANTS.items() if args.only in name}
+    if args.broad:
+        for name, mutant in chosen.items():
+            killers = killers_of(name, mutant)
+            print(f"{name}: {len(killers)} killer(s)")
+            for killer in killers:
+                print(f"    {killer}")
+        return 0
     survivors = []
-    for name, (filename, old, new) in MUTANTS.items():
-        killed = run_mutant(name, filename, old, new)
-        print(f"{'killed  ' if killed else 'SURVIVED'}  {name}")
+    for name, mutant in chosen.items():
+        killed = run_mutant(name, mutant)
+        print(f"{'killed  ' if killed else 'SURVIVED'}  {name}", flush=True)
         if not killed:
             survivors.append(name)
-    print(f"{len(MUTANTS) - len(survivors)} of {len(MUTANTS)} mutants killed")
+    print(f"{len(chosen) - len(survivors)} of {len(chosen)} mutants killed")
     return 1 if survivors else 0
 
 

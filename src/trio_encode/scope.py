@@ -325,9 +325,10 @@ class RequestScope:
             if exc.call == "transfer":  # the ledger counts its own register failures
                 self._observer.engine_error(exc.call, exc.code)
             log.error("send failed: %s", exc, extra={"req_id": self.req_id})
-            attempt.error = exc
+            # Without its traceback: its frames hold the embedding (and this attempt, a cycle).
+            attempt.error = exc.with_traceback(None)
         except RequestError as exc:
-            attempt.error = exc
+            attempt.error = exc.with_traceback(None)
         except Exception as exc:
             self._fail_unexpectedly(exc)
         finally:

@@ -275,6 +275,8 @@ class EncodeService:
                     scope.cancel()
                 for scope in remaining:
                     await scope.wait_ended()
+                # Memory whose deregistration failed gets one more try before the engine goes.
+                await self.ledger.retry_quarantined()
                 report = ShutdownReport(
                     finished=len(live) - len(remaining), cut_short=len(remaining)
                 )

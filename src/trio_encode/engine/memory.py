@@ -64,6 +64,8 @@ class CallRecord:
     start: float
     end: float | None = None
     code: int | None = None
+    scripted: bool = False
+    """Whether ``code`` is a failure scripted by :meth:`InMemoryEngine.fail_next`."""
 
     @property
     def done(self) -> bool:
@@ -152,6 +154,14 @@ class _Script:
         if self.latency_fn is not None:
             return self.latency_fn(call)
         return self.default_latency
+
+
+@dataclass
+class _Entry:
+    """A call between its entry and its start, and the failure scripted for it."""
+
+    failure: int | None
+    started: bool = False
 
 
 @dataclass
@@ -266,8 +276,10 @@ class InMemoryEngine:
         """Register ``[address, address + length)`` once the call returns; -7 if it overlaps
         a live registration, -1 for an empty range."""
         await trio.lowlevel.checkpoint_if_cancelled()
-        async with _thread(self.threads.control):
-            call, scripted = self._begin("register", self.session_id, address, length, None)
+        async with self._scripted("register") as failure, _thread(self.threads.control):
+            call, scripted = self._begin(
+                "register", self.session_id, address, length, None, failure
+            )
             await self._run_shielded(call)
             code = scripted if scripted is not None else self._do_register(address, length)
         self._finish(call, code)
@@ -276,8 +288,10 @@ class InMemoryEngine:
         """Release the registration starting at ``address`` as soon as the call starts (the
         worst case for a transfer still using it); -3 if none starts there."""
         await trio.lowlevel.checkpoint_if_cancelled()
-        async with _thread(self.threads.control):
-            call, scripted = self._begin("deregister", self.session_id, address, None, None)
+        async with self._scripted("deregister") as failure, _thread(self.threads.control):
+            call, scripted = self._begin(
+                "deregister", self.session_id, address, None, None, failure
+            )
             code = scripted if scripted is not None else self._do_deregister(address)
             await self._run_shielded(call)
         self._finish(call, code)
@@ -288,9 +302,13 @@ class InMemoryEngine:
         """Copy ``length`` bytes from ``local_address`` into ``remote_address`` on engine
         ``session_id`` at the end of the call, if both ranges are still registered then."""
         await trio.lowlevel.checkpoint_if_cancelled()
-        async with self.threads.session_slot(session_id), _thread(self.threads.transfers):
+        async with (
+            self._scripted("transfer") as failure,
+            self.threads.session_slot(session_id),
+            _thread(self.threads.transfers),
+        ):
             call, scripted = self._begin(
-                "transfer", session_id, local_address, length, remote_address
+                "transfer", session_id, local_address, length, remote_address, failure
             )
             flight: _InFlightTransfer | None = None
             code = scripted
@@ -375,6 +393,19 @@ class InMemoryEngine:
 
     # -- internals ---------------------------------------------------------------------------
 
+    @asynccontextmanager
+    async def _scripted(self, kind: CallKind) -> AsyncIterator[_Entry]:
+        """The scripted failure of the call entering now, taken at its entry (before it waits
+        for a thread), so a failure scripted for one caller is not consumed by another that
+        got a thread first; a call that never starts (cancelled while waiting) gives it back."""
+        failures = self._scripts[kind].failures
+        entry = _Entry(failures.popleft() if failures else None)
+        try:
+            yield entry
+        finally:
+            if not entry.started and entry.failure is not None:
+                failures.appendleft(entry.failure)
+
     def _begin(
         self,
         kind: CallKind,
@@ -382,6 +413,7 @@ class InMemoryEngine:
         address: int,
         length: int | None,
         remote_address: int | None,
+        entry: _Entry,
     ) -> tuple[CallRecord, int | None]:
         call = CallRecord(
             seq=next(self._seq),
@@ -392,9 +424,10 @@ class InMemoryEngine:
             remote_address=remote_address,
             start=trio.current_time(),
         )
+        call.scripted = entry.failure is not None
         self.history.append(call)
-        failures = self._scripts[kind].failures
-        return call, (failures.popleft() if failures else None)
+        entry.started = True
+        return call, entry.failure
 
     async def _run_shielded(self, call: CallRecord) -> None:
         """The part of a call a thread would run: it cannot be cancelled once started."""
