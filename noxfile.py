@@ -75,12 +75,11 @@ def bench(session: nox.Session) -> None:
     raw forward, a /health probe and peak RSS (2-3 minutes on 2 cores; run it on an idle
     machine). Arguments after ``--`` go to the command, e.g. ``nox -s bench -- --json``."""
     _install(session, "mooncake")
-    env: dict[str, str] = {}
-    session.run("trio-encode", "bench", *session.posargs, env=env)
+    session.run("trio-encode", "bench", *session.posargs)
     # Again with a core left to the event loop, decoding and transfers: on small hosts this
     # is the configuration where the serving path's share of the machine shows.
     spare = str(max(1, (os.cpu_count() or 2) - 1))
-    session.run("trio-encode", "bench", "--torch-threads", spare, *session.posargs, env=env)
+    session.run("trio-encode", "bench", "--torch-threads", spare, *session.posargs)
 
 
 @nox.session(python=PYTHON)
