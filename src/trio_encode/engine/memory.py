@@ -26,7 +26,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Literal
@@ -312,6 +312,25 @@ class InMemoryEngine:
             if flight is not None:
                 code = self._complete_transfer(flight, local_address, remote_address, length)
         self._finish(call, code)
+
+    async def transfer_segments(
+        self, session_id: str, segments: Sequence[tuple[int, int]], remote_address: int
+    ) -> None:
+        """One transfer call per segment, back to back in ``remote_address``. Once the first
+        has started the rest run too, whatever happens to the caller (Mooncake has them all
+        submitted); the first failure is raised after the last has ended."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        failure: EngineError | None = None
+        offset = 0
+        with trio.CancelScope(shield=True):
+            for address, length in segments:
+                try:
+                    await self.transfer(session_id, address, remote_address + offset, length)
+                except EngineError as exc:
+                    failure = failure or exc
+                offset += length
+        if failure is not None:
+            raise failure
 
     # -- scripting -----------------------------------------------------------------------------
 
