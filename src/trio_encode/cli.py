@@ -264,6 +264,16 @@ encoder_options = _group(
         "the cache.",
     ),
     _option(
+        "--arena-bytes",
+        env="ARENA_BYTES",
+        type=click.IntRange(0),
+        default=_ENCODER.arena_bytes,
+        show_default=True,
+        help="Size of the arena embeddings are written into, registered with the transfer "
+        "engine once at start so /send registers nothing; 0 registers each request's "
+        "embedding instead.",
+    ),
+    _option(
         "--max-image-bytes",
         env="MAX_IMAGE_BYTES",
         type=click.IntRange(1),
@@ -331,6 +341,7 @@ def _encoder_settings(options: dict[str, Any]) -> EncoderSettings:
             max_batch_wait=options["max_batch_wait"],
             queue_size=options["queue_size"],
             cache_bytes=options["cache_bytes"],
+            arena_bytes=options["arena_bytes"],
             max_image_bytes=options["max_image_bytes"],
             max_image_pixels=options["max_image_pixels"],
             torch_threads=options["torch_threads"],

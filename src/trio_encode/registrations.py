@@ -64,6 +64,9 @@ class Lease:
     address: int
     length: int
     _region: _Region
+    _owner_id: int = 0
+    """``id`` of the owner this lease added to its region (not the owner itself: a lease
+    reachable from a logged traceback must not keep an embedding alive)."""
     released: bool = False
 
 
@@ -127,7 +130,7 @@ class RegistrationLedger:
                 )
             region.leases += 1
             region.owners.append(owner)
-            return Lease(address, length, region)
+            return Lease(address, length, region, id(owner))
 
     async def release(self, lease: Lease) -> None:
         """Give a lease back; the last one deregisters. Call it shielded from cancellation.
@@ -141,6 +144,12 @@ class RegistrationLedger:
         region = lease._region
         region.leases -= 1
         if region.leases > 0:
+            # The others' owners keep the bytes alive (they lie inside the region); keeping
+            # this one too would grow a long-lived region's list with every lease.
+            for index, owner in enumerate(region.owners):
+                if id(owner) == lease._owner_id:
+                    del region.owners[index]
+                    break
             return
         region.state = "deregistering"
         region.settled = trio.Event()  # a fresh one: the old was set when registering ended
@@ -233,4 +242,4 @@ class RegistrationLedger:
         region.leases = 1
         region.settled.set()
         self._observer.registered(address, length)
-        return Lease(address, length, region)
+        return Lease(address, length, region, id(owner))

@@ -10,6 +10,12 @@ second request waits for the same job and gets the same row. A caller cancelled 
 images are still queued takes them out of the queue unless another request still waits for
 them (they are never encoded for nobody); one cancelled while its batch runs simply does not
 receive the result.
+
+With a registered arena (:mod:`trio_encode.arena`) each image's row is written into a segment
+of it by the forward's worker thread (the one copy), the arena is the cache, and a request
+whose every image has a segment gets an :class:`ArenaEmbedding` of them: nothing to register,
+nothing to concatenate. An image that finds no room in the arena is encoded into ordinary
+memory, and its request takes the per-request registration path (counted as a fallback).
 """
 
 from __future__ import annotations
@@ -25,7 +31,8 @@ from typing import Protocol, TypeVar
 import torch
 import trio
 
-from trio_encode.embedding import Embedding
+from trio_encode.arena import Arena, Segment
+from trio_encode.embedding import ArenaEmbedding, Embedding
 from trio_encode.encoder.backend import VisionBackend, load_backend
 from trio_encode.encoder.cache import CacheKey, EmbeddingCache, content_key
 from trio_encode.encoder.images import decode_image, load_item
@@ -70,12 +77,17 @@ class _Request:
 
     results: list[torch.Tensor | None]
     remaining: int
+    segments: list[Segment | None]
+    """The arena segment behind each result, leased by this request (None: not in the arena)."""
     done: trio.Event = field(default_factory=trio.Event)
     error: RequestError | None = None
     jobs: set[_Job] = field(default_factory=set)  # what it waits on, to withdraw from
 
-    def deliver(self, index: int, row: torch.Tensor) -> None:
+    def deliver(self, index: int, row: torch.Tensor, segment: Segment | None) -> None:
         if not self.done.is_set():
+            if segment is not None:
+                segment.arena.lease(segment)
+                self.segments[index] = segment
             self.results[index] = row
             self.remaining -= 1
             if self.remaining == 0:
@@ -97,9 +109,9 @@ class _Job:
     waiters: list[tuple[_Request, int]] = field(default_factory=list)  # (request, its index)
     queued: bool = True
 
-    def deliver(self, row: torch.Tensor) -> None:
+    def deliver(self, row: torch.Tensor, segment: Segment | None) -> None:
         for request, index in self.waiters:
-            request.deliver(index, row)
+            request.deliver(index, row, segment)
 
     def fail(self, error: RequestError) -> None:
         for request, _ in self.waiters:
@@ -117,12 +129,17 @@ class ImageEncoder:
         observer: EncoderObserver | None = None,
         run_decode: ThreadRunner | None = None,
         run_forward: ThreadRunner | None = None,
+        arena: Arena | None = None,
     ) -> None:
         self.backend = backend
         self.settings = settings if settings is not None else EncoderSettings()
         self.observer: EncoderObserver = observer or NullEncoderObserver()
+        self._arena = arena
+        # With an arena, the arena is the cache (``cache_bytes`` bounds what it keeps).
         self._cache = (
-            EmbeddingCache(self.settings.cache_bytes) if self.settings.cache_bytes > 0 else None
+            EmbeddingCache(self.settings.cache_bytes)
+            if self.settings.cache_bytes > 0 and arena is None
+            else None
         )
         # Decoding gets its own small thread pool so a burst of big images cannot take every
         # core from the forward pass.
@@ -152,8 +169,14 @@ class ImageEncoder:
     def from_settings(
         cls, settings: EncoderSettings, *, observer: EncoderObserver | None = None
     ) -> ImageEncoder:
-        """Load the model the settings name. Blocking: call before serving or in a thread."""
-        return cls(load_backend(settings), settings, observer=observer)
+        """Load the model the settings name, with an arena of ``settings.arena_bytes`` (none if
+        0). Blocking: call before serving or in a thread."""
+        arena = (
+            Arena(settings.arena_bytes, cache_bytes=settings.cache_bytes)
+            if settings.arena_bytes > 0
+            else None
+        )
+        return cls(load_backend(settings), settings, observer=observer, arena=arena)
 
     @property
     def ready(self) -> bool:
@@ -163,6 +186,11 @@ class ImageEncoder:
     @property
     def cache(self) -> EmbeddingCache | None:
         return self._cache
+
+    @property
+    def arena(self) -> Arena | None:
+        """Where embeddings are written (and cached); None: ordinary memory."""
+        return self._arena
 
     @property
     def queued_images(self) -> int:
@@ -191,7 +219,7 @@ class ImageEncoder:
                 raise InvalidInput(f"mm_items[{index}]: {exc.message}") from None
         return loaded
 
-    async def encode(self, items: Sequence[bytes]) -> Embedding:
+    async def encode(self, items: Sequence[bytes]) -> Embedding | ArenaEmbedding:
         """The embedding of a request's images: ``(images * tokens, hidden)`` rows in order.
 
         Raises :class:`InvalidInput` (an image cannot be decoded), :class:`Overloaded` (the
@@ -210,15 +238,46 @@ class ImageEncoder:
         model_id = self.backend.model_id
         keys = await self._run_decode(lambda: [content_key(model_id, data) for data in items])
         results: list[torch.Tensor | None] = [None] * len(items)
-        if self._cache is not None:
-            results = [self._cache.get(key) for key in keys]
-            misses = sum(result is None for result in results)
-            self.observer.cache_looked_up(len(items) - misses, misses)
-        missing = [i for i, result in enumerate(results) if result is None]
-        if missing:
-            await self._encode_missing(items, keys, results, missing)
-        rows = [result for result in results if result is not None]
-        return await self._run_decode(partial(_assemble, rows))
+        segments: list[Segment | None] = [None] * len(items)
+        handed_over = False
+        try:
+            if self._arena is not None:
+                for index, key in enumerate(keys):
+                    segment = self._arena.lookup(key)
+                    if segment is not None:
+                        segments[index] = segment
+                        results[index] = self._row_view(segment)
+                misses = sum(result is None for result in results)
+                self.observer.cache_looked_up(len(items) - misses, misses)
+            elif self._cache is not None:
+                results = [self._cache.get(key) for key in keys]
+                misses = sum(result is None for result in results)
+                self.observer.cache_looked_up(len(items) - misses, misses)
+            missing = [i for i, result in enumerate(results) if result is None]
+            if missing:
+                await self._encode_missing(items, keys, results, missing, segments)
+            rows = [result for result in results if result is not None]
+            if self._arena is not None and all(segment is not None for segment in segments):
+                parts = [(seg, row) for seg, row in zip(segments, rows, strict=True) if seg]
+                embedding: Embedding | ArenaEmbedding = await self._run_decode(
+                    partial(_checksummed, ArenaEmbedding(parts))
+                )
+                handed_over = True  # its leases are the embedding's now
+                return embedding
+            if self._arena is not None:
+                self._arena.fallbacks += 1
+            return await self._run_decode(partial(_assemble, rows))
+        finally:
+            if not handed_over:
+                for segment in segments:
+                    if segment is not None:
+                        segment.arena.release(segment)
+
+    def _row_view(self, segment: Segment) -> torch.Tensor:
+        """An image's ``(tokens, hidden)`` row as a view of its segment's bytes."""
+        backend = self.backend
+        flat = torch.frombuffer(segment.buffer, dtype=torch.uint8)
+        return flat.view(backend.dtype).view(backend.tokens_per_image, backend.hidden_size)
 
     async def _encode_missing(
         self,
@@ -226,6 +285,7 @@ class ImageEncoder:
         keys: list[CacheKey],
         results: list[torch.Tensor | None],
         missing: list[int],
+        segments: list[Segment | None],
     ) -> None:
         shared = [i for i in missing if keys[i] in self._in_flight]
         own = [i for i in missing if keys[i] not in self._in_flight]
@@ -239,7 +299,7 @@ class ImageEncoder:
                 f"the encoder queue is full ({self.queued_images} of "
                 f"{self.settings.queue_size} images waiting); retry later"
             )
-        request = _Request(results, remaining=len(missing))
+        request = _Request(results, remaining=len(missing), segments=segments)
         try:
             # Join before decoding, so a shared job that finishes meanwhile still delivers.
             for index in shared:
@@ -381,9 +441,11 @@ class ImageEncoder:
 
     async def _process(self, batch: list[_Job]) -> None:
         pixels = [job.pixels for job in batch]
+        targets = self._allocate_segments(len(batch))
         try:
-            rows, seconds = await self._run_forward(partial(self._forward, pixels))
+            rows, seconds = await self._run_forward(partial(self._forward, pixels, targets))
         except Exception as exc:
+            self._release_all(targets)
             self.observer.batch_finished(len(batch), 0.0, ok=False)
             log.exception("vision encoder failed on a batch of %d images", len(batch))
             for job in batch:
@@ -396,21 +458,44 @@ class ImageEncoder:
                 )
             return
         except BaseException:
+            self._release_all(targets)
             for job in batch:
                 self._forget(job)
                 job.fail(ShuttingDown("the encoder stopped while this request ran"))
             raise
         self.observer.batch_finished(len(batch), seconds, ok=True)
-        for job, row in zip(batch, rows, strict=True):
+        for job, row, segment in zip(batch, rows, targets, strict=True):
             self._forget(job)
             if self._cache is not None:
                 self._cache.put(job.key, row)
-            job.deliver(row)
+            if segment is not None:
+                segment.arena.keep(segment, job.key)
+            job.deliver(row, segment)
+        self._release_all(targets)  # the forward's own leases; the waiters hold theirs
         if self._cache is not None:
             self.observer.cache_size(self._cache.nbytes, len(self._cache))
+        elif self._arena is not None:
+            self.observer.cache_size(self._arena.cached_bytes, len(self._arena))
 
-    def _forward(self, pixels: list[torch.Tensor]) -> tuple[list[torch.Tensor], float]:
-        """In the worker thread: one forward pass, split into one tensor per image."""
+    def _allocate_segments(self, count: int) -> list[Segment | None]:
+        """A segment for each image of a batch, leased by the forward until it delivers; None
+        where the arena has no room (that image goes to ordinary memory)."""
+        if self._arena is None:
+            return [None] * count
+        nbytes = self.info.bytes_per_image
+        return [self._arena.allocate(nbytes) for _ in range(count)]
+
+    @staticmethod
+    def _release_all(segments: list[Segment | None]) -> None:
+        for segment in segments:
+            if segment is not None:
+                segment.arena.release(segment)
+
+    def _forward(
+        self, pixels: list[torch.Tensor], targets: Sequence[Segment | None] = ()
+    ) -> tuple[list[torch.Tensor], float]:
+        """In the worker thread: one forward pass, split into one tensor per image; an image
+        with a target segment is copied into it (its row is then a view of the segment)."""
         start = time.perf_counter()
         backend = self.backend
         with torch.inference_mode():
@@ -424,7 +509,14 @@ class ImageEncoder:
             out = out.contiguous()
             # With a cache each image gets its own memory, so the cache's byte bound is exact
             # and evicting an entry frees it; without one, rows are views into the batch.
-            rows = [row.clone() for row in out] if self._cache is not None else list(out)
+            own = self._cache is not None or self._arena is not None
+            rows = []
+            for index, row in enumerate(out):
+                segment = targets[index] if targets else None
+                if segment is not None:
+                    rows.append(self._row_view(segment).copy_(row))
+                else:
+                    rows.append(row.clone() if own else row)
         return rows, time.perf_counter() - start
 
     async def _decode_in_thread(self, fn: Callable[[], T]) -> T:
@@ -432,6 +524,12 @@ class ImageEncoder:
 
     async def _forward_in_thread(self, fn: Callable[[], T]) -> T:
         return await trio.to_thread.run_sync(fn, limiter=self._forward_limiter)
+
+
+def _checksummed(embedding: ArenaEmbedding) -> ArenaEmbedding:
+    """In a worker thread: compute the checksum (it reads every byte)."""
+    embedding.checksum  # noqa: B018 - computed here, remembered by the embedding
+    return embedding
 
 
 def _assemble(rows: list[torch.Tensor]) -> Embedding:

@@ -52,9 +52,15 @@ class EncoderSettings:
     warmup: bool = True
     """Run one forward before reporting ready, so the first request pays no start-up cost."""
 
-    # Cache.
+    # Cache and arena.
     cache_bytes: int = 256 * MiB
-    """Bytes of embeddings kept for repeated images; 0 disables the cache."""
+    """Bytes of embeddings kept for repeated images; 0 disables the cache. With an arena,
+    the cache lives in it and this bounds the bytes it may keep."""
+    arena_bytes: int = 512 * MiB
+    """Size of the registered arena that embeddings are written into, registered once for the
+    process's life so sends register nothing; 0 turns it off (every request registers its
+    own embedding). Pages are touched only as segments are written (over RDMA, registration
+    pins all of it)."""
 
     # Input limits.
     max_image_bytes: int = 20 * MiB
@@ -94,5 +100,7 @@ class EncoderSettings:
             raise ValueError(f"max_batch_wait must be >= 0, got {self.max_batch_wait}")
         if self.cache_bytes < 0:
             raise ValueError(f"cache_bytes must be >= 0, got {self.cache_bytes}")
+        if self.arena_bytes < 0:
+            raise ValueError(f"arena_bytes must be >= 0, got {self.arena_bytes}")
         if self.torch_threads is not None and self.torch_threads <= 0:
             raise ValueError(f"torch_threads must be positive, got {self.torch_threads}")

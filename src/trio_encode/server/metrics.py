@@ -22,6 +22,7 @@ from prometheus_client import (
 )
 
 if TYPE_CHECKING:
+    from trio_encode.arena import Arena
     from trio_encode.request_types import EmbeddingMemory
     from trio_encode.service import Encoder, EncodeService
 
@@ -212,6 +213,10 @@ class _TimedEncoder:
     @property
     def ready(self) -> bool:
         return self._encoder.ready
+
+    @property
+    def arena(self) -> Arena | None:
+        return self._encoder.arena
 
     async def load_items(self, items: Sequence[str]) -> list[bytes]:
         return await self._encoder.load_items(items)
