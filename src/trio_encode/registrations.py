@@ -18,13 +18,14 @@ by a transfer that names the old registration.
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Literal
 
 import trio
 
 from trio_encode.engine import INVALID_ADDRESS, EngineError, TransferEngine
-from trio_encode.observer import LifecycleObserver, NullObserver
+from trio_encode.observer import LifecycleObserver, NullObserver, RegistrationCall
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +155,7 @@ class RegistrationLedger:
         region.state = "deregistering"
         region.settled = trio.Event()  # a fresh one: the old was set when registering ended
         try:
-            await self._engine.deregister(region.address)
+            await self._timed("deregister", self._engine.deregister(region.address))
         except EngineError as exc:
             self._observer.engine_error(exc.call, exc.code)
             if exc.code == INVALID_ADDRESS:
@@ -202,6 +203,13 @@ class RegistrationLedger:
             await trio.sleep(self._quarantine_retry)
             await self.retry_quarantined()
 
+    async def _timed(self, call: RegistrationCall, engine_call: Awaitable[None]) -> None:
+        started = trio.current_time()
+        try:
+            await engine_call
+        finally:
+            self._observer.registration_timed(call, trio.current_time() - started)
+
     def _quarantined(self) -> list[_Region]:
         return [r for r in self._regions.values() if r.state == "quarantined"]
 
@@ -232,7 +240,7 @@ class RegistrationLedger:
         self._regions[address] = region
         try:
             with trio.CancelScope(shield=True):
-                await self._engine.register(address, length)
+                await self._timed("register", self._engine.register(address, length))
         except BaseException as exc:
             self._forget(region)
             if isinstance(exc, EngineError):
