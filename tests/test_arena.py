@@ -5,6 +5,7 @@ says so (so the caller can fall back) instead of failing."""
 from __future__ import annotations
 
 import ctypes
+import itertools
 
 import pytest
 import trio
@@ -29,7 +30,7 @@ def test_segments_are_aligned_disjoint_and_inside_the_arena() -> None:
         assert arena.address <= segment.address
         assert segment.address + segment.nbytes <= arena.address + arena.nbytes
     ordered = spans(live)
-    assert all(end <= start for (_, end), (start, _) in zip(ordered, ordered[1:], strict=False))
+    assert all(end <= start for (_, end), (start, _) in itertools.pairwise(ordered))
 
 
 def test_the_bytes_written_through_a_segment_are_at_its_address() -> None:
@@ -43,7 +44,8 @@ def test_the_bytes_written_through_a_segment_are_at_its_address() -> None:
 def test_a_full_arena_answers_none_and_room_comes_back_on_release() -> None:
     arena = Arena(2 * MB)
     first, second = arena.allocate(MB), arena.allocate(MB)
-    assert first is not None and second is not None
+    assert first is not None
+    assert second is not None
     assert arena.allocate(1) is None, "full: the caller must fall back"
     arena.release(first)
     again = arena.allocate(MB)
@@ -79,9 +81,9 @@ def test_releasing_more_often_than_leased_is_a_bug_that_is_caught() -> None:
     segment = arena.allocate(10)
     assert segment is not None
     arena.release(segment)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="released more often"):
         arena.release(segment)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="freed"):
         arena.lease(segment)
 
 
@@ -102,7 +104,9 @@ def test_a_kept_segment_outlives_its_leases_and_is_found_by_key() -> None:
 def test_eviction_frees_only_segments_nobody_leases_oldest_first() -> None:
     arena = Arena(3 * MB)
     a, b, c = (arena.allocate(MB) for _ in range(3))
-    assert a is not None and b is not None and c is not None
+    assert a is not None
+    assert b is not None
+    assert c is not None
     for key, segment in (("a", a), ("b", b), ("c", c)):
         arena.keep(segment, key)
     arena.release(a)  # idle, oldest
@@ -120,7 +124,8 @@ def test_eviction_frees_only_segments_nobody_leases_oldest_first() -> None:
 def test_a_lookup_refreshes_a_segment_in_the_lru_order() -> None:
     arena = Arena(2 * MB)
     a, b = arena.allocate(MB), arena.allocate(MB)
-    assert a is not None and b is not None
+    assert a is not None
+    assert b is not None
     arena.keep(a, "a")
     arena.keep(b, "b")
     arena.release(a)
@@ -136,7 +141,8 @@ def test_a_lookup_refreshes_a_segment_in_the_lru_order() -> None:
 def test_cache_bytes_bounds_what_stays_once_idle() -> None:
     arena = Arena(4 * MB, cache_bytes=MB)
     a, b = arena.allocate(MB), arena.allocate(MB)
-    assert a is not None and b is not None
+    assert a is not None
+    assert b is not None
     arena.keep(a, "a")
     arena.keep(b, "b")
     assert arena.cached_bytes == 2 * MB  # both leased: nothing may be evicted yet
@@ -160,7 +166,8 @@ def test_no_cache_means_segments_go_back_when_released() -> None:
 def test_a_second_segment_for_a_kept_key_does_not_replace_the_first() -> None:
     arena = Arena(2 * MB)
     a, b = arena.allocate(MB), arena.allocate(MB)
-    assert a is not None and b is not None
+    assert a is not None
+    assert b is not None
     arena.keep(a, "same")
     assert arena.keep(b, "same") is a
     arena.release(b)
@@ -195,7 +202,7 @@ async def test_allocate_by_gives_up_at_its_deadline(
 
 
 def test_sizes_must_be_positive() -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="positive size"):
         Arena(0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="positive size"):
         Arena(MB).allocate(0)

@@ -89,7 +89,7 @@ async def test_segments_go_back_only_after_the_transfer_reading_them_returned(
         parts = [fill(arena, 1)]
         expected = expected_bytes(parts)
         await rig.open("r1", opener(ArenaEmbedding(parts)), receive_count=2)
-        a, b = await rig.landings(2)
+        a, _b = await rig.landings(2)
         gate = rig.sender.gate("transfer")
         scope = rig.registry.require_live("r1")
         async with trio.open_nursery() as nursery:
@@ -124,7 +124,8 @@ async def test_a_cached_segment_shared_by_two_requests_stays_until_both_are_done
         ra, rb = await rig.landings(2)
         await gather_sends(rig, "a", [ra.receiver])
         await trio.testing.wait_all_tasks_blocked()
-        assert segment.leases == 1 and not segment.freed
+        assert segment.leases == 1
+        assert not segment.freed
         # Pressure on the arena cannot evict it while b leases it.
         while arena.allocate(SEGMENT) is not None:
             pass
@@ -142,7 +143,7 @@ async def test_an_embedding_outside_the_arena_still_registers_once_per_request(
 ) -> None:
     """The fallback: an embedding in ordinary memory is registered by its scope, once for
     all its siblings, and deregistered when the scope ends; the arena stays registered."""
-    async with arena_rig() as (rig, arena, lease):
+    async with arena_rig() as (rig, _arena, lease):
         encode, _ = rig.encoder("r1", seed=3)
         await rig.open("r1", encode, receive_count=2)
         ranks = await rig.landings(2)
