@@ -28,7 +28,7 @@ TESTS = [
 MUTANTS: dict[str, tuple[str, str, str]] = {
     "siblings each register (story 1)": (
         "scope.py",
-        "            if self._lease is None:\n                try:",
+        "            if self._leases is None:\n                try:",
         "            if True:\n                try:",
     ),
     "requests sharing memory each register (story 10)": (
@@ -38,8 +38,8 @@ MUTANTS: dict[str, tuple[str, str, str]] = {
     ),
     "embedding dropped before deregistration (story 2)": (
         "scope.py",
-        "        lease, self._lease = self._lease, None\n",
-        "        lease, self._lease = self._lease, None\n        self._embedding = None\n",
+        "        leases, self._leases = self._leases or [], None\n",
+        "        leases, self._leases = self._leases or [], None\n        self._embedding = None\n",
     ),
     "transfer errors swallowed (story 3)": (
         "scope.py",
