@@ -19,6 +19,7 @@ import trio
 
 from trio_encode.encoder.settings import EncoderSettings
 from trio_encode.engine import EngineError
+from trio_encode.engine.costs import MODELS
 from trio_encode.engine.mooncake import MooncakeSettings
 from trio_encode.logs import setup_logging
 from trio_encode.settings import MiB, ServerSettings
@@ -518,6 +519,15 @@ def _image_counts(ctx: click.Context, param: click.Parameter, value: str) -> tup
     show_default=True,
     help="Niceness added to the process running the encoder rows' clients.",
 )
+@click.option(
+    "--model",
+    "cost_model",
+    type=click.Choice(sorted(MODELS)),
+    default=None,
+    help="Instead of measuring, run the arena and per-request registration through the "
+    "request lifecycle on the in-memory engine with this cost model, in virtual time, and "
+    "print requests/s per path (a model, not a measurement).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead.")
 @engine_options
 @encoder_options
@@ -531,6 +541,7 @@ def bench(
     settle_seconds: float,
     rounds: int,
     load_nice: int,
+    cost_model: str | None,
     as_json: bool,
     **options: Any,
 ) -> None:
@@ -542,6 +553,15 @@ def bench(
     is reported. The defaults take about 2-3 minutes on 2 cores; run it on an idle machine.
     """
     setup_logging("WARNING")
+    if cost_model is not None:
+        from trio_encode.bench.model import MODEL_SIZES, MODEL_TPS, run_model
+
+        modelled = run_model(MODELS[cost_model], MODEL_SIZES, MODEL_TPS)
+        if as_json:
+            click.echo(json.dumps(modelled.to_json(), indent=2))
+        else:
+            click.echo(modelled.table())
+        return
     from trio_encode.bench.server import BenchConfig, run_bench
 
     try:

@@ -39,6 +39,7 @@ from trio_encode.engine.base import (
     TRANSFER_FAILED,
     EngineError,
 )
+from trio_encode.engine.costs import CostModel
 from trio_encode.engine.threads import EngineThreads, ThreadSettings
 
 CallKind = Literal["register", "deregister", "transfer"]
@@ -249,6 +250,7 @@ class InMemoryEngine:
             "transfer": _Script(transfer_latency),
         }
         self._in_flight_transfers: list[_InFlightTransfer] = []
+        self._link: trio.Lock | None = None
         self._seq = itertools.count()
         self.history: list[CallRecord] = []
         """Every call that started, in start order."""
@@ -277,7 +279,9 @@ class InMemoryEngine:
         worst case for a transfer still using it); -3 if none starts there."""
         await trio.lowlevel.checkpoint_if_cancelled()
         async with _thread(self.threads.control):
-            call, scripted = self._begin("deregister", self.session_id, address, None, None)
+            live = self._registrations.get(address)
+            length = live.length if live is not None else None
+            call, scripted = self._begin("deregister", self.session_id, address, length, None)
             code = scripted if scripted is not None else self._do_deregister(address)
             await self._run_shielded(call)
         self._finish(call, code)
@@ -348,6 +352,14 @@ class InMemoryEngine:
             script.latency_fn = latencies
         else:
             script.latencies.extend(latencies)
+
+    def apply_costs(self, model: CostModel) -> None:
+        """Give every call the virtual latency ``model`` says, and make this engine's
+        transfers queue for one link (so concurrent sends share its bandwidth)."""
+        self.script_latency("register", lambda call: model.register.seconds(call.length or 0))
+        self.script_latency("deregister", lambda call: model.deregister.seconds(call.length or 0))
+        self.script_latency("transfer", lambda call: model.transfer.seconds(call.length or 0))
+        self._link = trio.Lock()
 
     def fail_next(self, kind: CallKind, code: int = TRANSFER_FAILED, *, times: int = 1) -> None:
         """Make the next ``times`` calls of ``kind`` return ``code`` without effect, after
@@ -421,7 +433,11 @@ class InMemoryEngine:
         with trio.CancelScope(shield=True):
             if script.gate is not None and not script.gate.is_open:
                 await script.gate._pass(call)
-            await trio.sleep(script.next_latency(call))
+            if call.kind == "transfer" and self._link is not None:
+                async with self._link:
+                    await trio.sleep(script.next_latency(call))
+            else:
+                await trio.sleep(script.next_latency(call))
 
     async def _peer_answers(self, session_id: str) -> bool:
         """False if the peer is frozen and stays so past the transfer timeout (shielded)."""
