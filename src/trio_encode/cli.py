@@ -444,38 +444,66 @@ def demo(requests: int, images: int, tp: int, log_level: str, **options: Any) ->
         raise SystemExit(1)
 
 
-def _image_counts(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int, ...]:
-    try:
-        counts = tuple(int(part) for part in value.split(",") if part.strip())
-    except ValueError:
-        counts = ()
-    if not counts or min(counts) < 1:
-        raise click.BadParameter("give positive image counts separated by commas, e.g. 1,4")
-    return counts
+def _numbers(kind: type[float] | type[int]) -> Callable[..., tuple[Any, ...]]:
+    """A click callback parsing ``1,2,4`` into positive numbers of ``kind``."""
+
+    def parse(ctx: click.Context, param: click.Parameter, value: str) -> tuple[Any, ...]:
+        try:
+            numbers = tuple(kind(part) for part in value.split(",") if part.strip())
+        except ValueError:
+            numbers = ()
+        if not numbers or min(numbers) <= 0:
+            raise click.BadParameter("give positive numbers separated by commas, e.g. 1,4")
+        return numbers
+
+    return parse
+
+
+_ARENA_CHOICES = {"both": (True, False), "on": (True,), "off": (False,)}
 
 
 @cli.command()
 @click.option(
-    "--tp",
-    type=click.IntRange(1),
-    default=4,
+    "--sizes",
+    default="0.4,1.6,6.4,25.6",
     show_default=True,
-    help="Receiving prefill ranks, each with its own engine: the concurrency of both "
-    "transfer sides.",
+    callback=_numbers(float),
+    help="Embedding sizes of the /send rows, in MB (rounded to whole 2048-float rows).",
 )
 @click.option(
-    "--transfer-images",
-    default="1,4",
+    "--tps",
+    default="1,2,4,8",
     show_default=True,
-    callback=_image_counts,
-    help="One transfer row per count: a transfer is that many images' embeddings.",
+    callback=_numbers(int),
+    help="Receiving ranks of the /send rows, each with its own engine; every rank sends "
+    "every req_id in turn.",
+)
+@click.option(
+    "--arena",
+    "arena_mode",
+    type=click.Choice(sorted(_ARENA_CHOICES)),
+    default="both",
+    show_default=True,
+    help="Served /send rows with the registered arena, without it, or both.",
+)
+@click.option(
+    "--peer/--no-peer",
+    default=True,
+    show_default=True,
+    help="Also time the asyncio peer (needs the bench extra: FastAPI and uvicorn).",
 )
 @click.option(
     "--transfer-requests",
     type=click.IntRange(1),
-    default=64,
+    default=16,
     show_default=True,
-    help="req_ids per round and row; every rank sends each one.",
+    help="req_ids per round, size and TP; every rank sends each one.",
+)
+@click.option(
+    "--encoder-rows/--no-encoder-rows",
+    default=True,
+    show_default=True,
+    help="Also measure /encode against the model's forward.",
 )
 @click.option(
     "--concurrency",
@@ -517,8 +545,15 @@ def _image_counts(ctx: click.Context, param: click.Parameter, value: str) -> tup
     type=click.IntRange(0, 19),
     default=0,
     show_default=True,
-    help="Niceness added to the process running the encoder rows' clients.",
+    help="Niceness added to the process running the clients and ranks.",
 )
+@click.option(
+    "--plots",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Write PNG plots of the /send ratios into this directory.",
+)
+@click.option("--quiet", is_flag=True, help="No progress lines on stderr.")
 @click.option(
     "--model",
     "cost_model",
@@ -532,57 +567,70 @@ def _image_counts(ctx: click.Context, param: click.Parameter, value: str) -> tup
 @engine_options
 @encoder_options
 def bench(
-    tp: int,
-    transfer_images: tuple[int, ...],
+    sizes: tuple[float, ...],
+    tps: tuple[int, ...],
+    arena_mode: str,
+    peer: bool,
     transfer_requests: int,
+    encoder_rows: bool,
     concurrency: int,
     served_seconds: float,
     raw_seconds: float,
     settle_seconds: float,
     rounds: int,
     load_nice: int,
+    plots: Path | None,
+    quiet: bool,
     cost_model: str | None,
     as_json: bool,
     **options: Any,
 ) -> None:
-    """Measure the served paths against their raw parts, side by side, in one run.
+    """Measure the served paths against their raw parts and an asyncio peer, in one run.
 
-    Transfers: Mooncake transfer() vs /send of the same bytes (TP ranks at once, encoding
-    excluded). Encoder: the model's forward at B = --max-batch-size vs /encode over HTTP with
-    distinct images (the cache is always off). A probe polls /health meanwhile; the peak RSS
-    is reported. The defaults take about 2-3 minutes on 2 cores; run it on an idle machine.
+    /send: raw Mooncake transfers vs /send of the same bytes (arena on and off) vs the same
+    sends through an asyncio (FastAPI/uvicorn) model of the seed's fixed path, per embedding
+    size and TP, ranks and clients in a separate process. Encoder: the model's forward at
+    B = --max-batch-size vs /encode over HTTP with distinct images. A probe polls /health
+    meanwhile. The defaults take several minutes on 2 cores; run it on an idle machine.
+    With --model, nothing is measured: a cost model runs in virtual time instead.
     """
     setup_logging("WARNING")
     if cost_model is not None:
-        from trio_encode.bench.model import MODEL_SIZES, MODEL_TPS, run_model
+        from trio_encode.bench.model import run_model
 
-        modelled = run_model(MODELS[cost_model], MODEL_SIZES, MODEL_TPS)
+        modelled = run_model(MODELS[cost_model], [int(mb * 1e6) for mb in sizes], tps)
         if as_json:
             click.echo(json.dumps(modelled.to_json(), indent=2))
         else:
             click.echo(modelled.table())
         return
-    from trio_encode.bench.server import BenchConfig, run_bench
+    from trio_encode.bench.run import run_bench
+    from trio_encode.bench.settings import BenchConfig
 
     try:
         config = BenchConfig(
             encoder=_encoder_settings(options),
             engine=_engine_settings(options),
-            tp=tp,
-            transfer_images=transfer_images,
+            sizes=tuple(int(mb * 1e6) for mb in sizes),
+            tps=tps,
+            arena=_ARENA_CHOICES[arena_mode],
+            peer=peer,
             transfer_requests=transfer_requests,
+            encoder_rows=encoder_rows,
             concurrency=concurrency,
             served_seconds=served_seconds,
             raw_seconds=raw_seconds,
             settle_seconds=settle_seconds,
             rounds=rounds,
             load_nice=load_nice,
+            plots=plots,
+            progress=not quiet,
         )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
     result = _run(run_bench, config)
     if as_json:
-        click.echo(json.dumps(result.to_json(), indent=2))
+        click.echo(json.dumps(result.to_json(), indent=2, default=str))
     else:
         click.echo(result.table())
 
