@@ -16,11 +16,12 @@ import xxhash
 
 from trio_encode.arena import Segment
 
-_DTYPE_NAMES: dict[torch.dtype, str] = {
+DTYPE_NAMES: dict[torch.dtype, str] = {  # the one table of embedding dtypes and their names
     torch.float32: "float32",
     torch.bfloat16: "bfloat16",
     torch.float16: "float16",
 }
+TORCH_DTYPES: dict[str, torch.dtype] = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 
 
 @dataclass(frozen=True, eq=False)
@@ -41,7 +42,7 @@ class Embedding:
             raise ValueError("an embedding must be contiguous: the engine sends raw bytes")
         if self.tensor.device.type != "cpu":
             raise ValueError("an embedding must be in CPU memory")
-        if self.tensor.dtype not in _DTYPE_NAMES:
+        if self.tensor.dtype not in DTYPE_NAMES:
             raise ValueError(f"unsupported embedding dtype {self.tensor.dtype}")
 
     @property
@@ -62,7 +63,7 @@ class Embedding:
 
     @property
     def dtype(self) -> str:
-        return _DTYPE_NAMES[self.tensor.dtype]
+        return DTYPE_NAMES[self.tensor.dtype]
 
     @cached_property
     def checksum(self) -> str:
@@ -118,7 +119,7 @@ class ArenaEmbedding:
 
     @property
     def dtype(self) -> str:
-        return _DTYPE_NAMES[self.views[0].dtype]
+        return DTYPE_NAMES[self.views[0].dtype]
 
     @property
     def segments(self) -> list[tuple[int, int]]:

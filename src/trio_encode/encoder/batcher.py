@@ -32,7 +32,7 @@ import torch
 import trio
 
 from trio_encode.arena import Arena, Segment
-from trio_encode.embedding import ArenaEmbedding, Embedding
+from trio_encode.embedding import DTYPE_NAMES, TORCH_DTYPES, ArenaEmbedding, Embedding
 from trio_encode.encoder.backend import VisionBackend, load_backend
 from trio_encode.encoder.cache import CacheKey, EmbeddingCache, content_key
 from trio_encode.encoder.images import decode_image, load_item
@@ -43,8 +43,6 @@ from trio_encode.errors import EncodeFailed, InvalidInput, Overloaded, RequestEr
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 class ThreadRunner(Protocol):
@@ -67,7 +65,7 @@ class EncoderInfo:
 
     @property
     def bytes_per_image(self) -> int:
-        itemsize = 2 if self.dtype in ("bfloat16", "float16") else 4
+        itemsize = torch.empty((), dtype=TORCH_DTYPES[self.dtype]).element_size()
         return self.tokens_per_image * self.hidden_size * itemsize
 
 
@@ -160,7 +158,7 @@ class ImageEncoder:
             model_id=backend.model_id,
             tokens_per_image=backend.tokens_per_image,
             hidden_size=backend.hidden_size,
-            dtype=_DTYPE_NAMES[backend.dtype],
+            dtype=DTYPE_NAMES[backend.dtype],
             image_size=backend.preprocess.image_size,
             max_batch_size=self.settings.max_batch_size,
         )

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
+from trio_encode.embedding import TORCH_DTYPES
 from trio_encode.encoder.images import Preprocess
-from trio_encode.encoder.model import TORCH_DTYPES
 from trio_encode.encoder.settings import EncoderSettings
 
 _CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
