@@ -45,6 +45,10 @@ from trio_encode.engine.mooncake import MooncakeEngine, MooncakeSettings
 from trio_encode.engine.threads import ThreadSettings
 
 _JSON = {"Content-Type": "application/json"}
+KEEP_ALIVE = httpx.Limits(keepalive_expiry=2.0)
+"""Idle connections are dropped by the client before the server's keep-alive (hypercorn's 5 s)
+closes them: a server closing an idle connection just as a client reuses it fails that
+request, and the bench's phases leave connections idle for seconds."""
 IMAGES_PER_CLIENT = 8
 """Distinct images each client cycles through, so no two requests in flight repeat one."""
 
@@ -152,7 +156,9 @@ async def _child(lines: _Lines) -> None:
             pools[k % config.tp].allocate(config.bytes_per_image) for k in range(config.concurrency)
         ]
         http = [
-            await stack.enter_async_context(httpx.AsyncClient(base_url=config.url, timeout=300))
+            await stack.enter_async_context(
+                httpx.AsyncClient(base_url=config.url, timeout=300, limits=KEEP_ALIVE)
+            )
             for _ in range(config.tp)
         ]
         await lines.write(json.dumps({"ready": sum(map(len, jpegs)) / len(jpegs)}))
@@ -217,7 +223,10 @@ async def _send_child(lines: _Lines, config: LoadConfig) -> None:
                 await stack.enter_async_context(LandingPool.open(engine, config.landing_bytes))
             )
         slots = [pool.allocate(config.landing_bytes) for pool in pools]
-        http = [await stack.enter_async_context(httpx.AsyncClient(timeout=300)) for _ in pools]
+        http = [
+            await stack.enter_async_context(httpx.AsyncClient(timeout=300, limits=KEEP_ALIVE))
+            for _ in pools
+        ]
         ranks = [[pool.session_id, slot.address] for pool, slot in zip(pools, slots, strict=True)]
         await lines.write(json.dumps({"ready": 0, "ranks": ranks}))
         while (command := await lines.read()).startswith("sends "):

@@ -108,7 +108,11 @@ def _main() -> None:
     listener.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     listener.bind(("127.0.0.1", 0))
     listener.listen(128)
-    config = uvicorn.Config(create_peer_app(engine), log_level="warning", access_log=False)
+    # A long keep-alive: the bench's clients reuse connections across phases, and a server
+    # closing an idle one just as a client reuses it fails that request.
+    config = uvicorn.Config(
+        create_peer_app(engine), log_level="warning", access_log=False, timeout_keep_alive=600
+    )
     server = uvicorn.Server(config)
     print(json.dumps({"port": listener.getsockname()[1]}), flush=True)
     asyncio.run(server.serve(sockets=[listener]))
