@@ -185,4 +185,18 @@ def test_demo_moves_and_checks_every_byte() -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     assert "OK: every byte checked" in result.stdout
+    assert "the arena registered once, 0 requests outside it" in result.stdout
+    assert "registrations made 1, released 0, live at the end 0" in result.stdout
+
+
+def test_demo_without_the_arena_registers_each_request_once() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "trio_encode.cli", "demo", "--requests", "3", "--images", "1"]
+        + ["--arena-bytes", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert "OK: every byte checked" in result.stdout
     assert "registrations made 3, released 3, live at the end 0" in result.stdout

@@ -42,6 +42,10 @@ class DemoOutcome:
     registrations: float = 0.0
     deregistrations: float = 0.0
     live_registrations: float = 0.0
+    """Besides the arena's, which lives as long as the server."""
+    arena: bool = False
+    fallbacks: float = 0.0
+    """Requests that did not fit in the arena and registered their own memory."""
     cut_short: int = 0
     failures: list[str] = field(default_factory=list)
 
@@ -51,11 +55,16 @@ class DemoOutcome:
 
     def summary(self) -> str:
         rate = self.bytes_moved / self.seconds / 1e6 if self.seconds else 0.0
+        arena = (
+            f"the arena registered once, {self.fallbacks:.0f} requests outside it; "
+            if self.arena
+            else ""
+        )
         lines = [
             f"{self.requests} requests x {self.tp} ranks: {self.bytes_moved / 1e6:.1f} MB moved "
             f"in {self.seconds:.2f} s ({rate:.0f} MB/s, encoding included)",
-            f"registrations made {self.registrations:.0f}, released {self.deregistrations:.0f}, "
-            f"live at the end {self.live_registrations:.0f}; "
+            f"{arena}registrations made {self.registrations:.0f}, released "
+            f"{self.deregistrations:.0f}, live at the end {self.live_registrations:.0f}; "
             f"{self.cut_short} requests cut short at shutdown",
         ]
         lines += [f"FAILED: {failure}" for failure in self.failures]
@@ -115,15 +124,22 @@ async def run_demo(settings: ServerSettings, requests: int, images: int, tp: int
         for req in range(requests):
             expected = await trio.to_thread.run_sync(_direct_embedding, encoder, items[req])
             _check(req, tp, per_request, expected, answers, outcome)
-        text = await _settled(client)
+        outcome.arena = encoder.arena is not None
+        text = await _settled(client, arena=int(outcome.arena))
         outcome.registrations = metric_value(text, P + "registrations_total")
         outcome.deregistrations = metric_value(text, P + "deregistrations_total")
-        outcome.live_registrations = metric_value(text, P + "live_registrations")
+        outcome.live_registrations = metric_value(text, P + "live_registrations") - outcome.arena
+        outcome.fallbacks = metric_value(text, P + "arena_fallbacks")
         outcome.bytes_moved = int(metric_value(text, P + "transfer_bytes_total"))
     report = running.service.shutdown_report
     outcome.cut_short = report.cut_short if report is not None else 0
-    if outcome.registrations != requests:
-        outcome.failures.append(f"{outcome.registrations:.0f} registrations for {requests}")
+    # With the arena: itself once, plus each request that did not fit; without: one a request.
+    expected_registrations = 1 + outcome.fallbacks if outcome.arena else requests
+    if outcome.registrations != expected_registrations:
+        outcome.failures.append(
+            f"{outcome.registrations:.0f} registrations for {requests} requests "
+            f"(expected {expected_registrations:.0f})"
+        )
     if outcome.live_registrations or running.service.ledger.live_registrations:
         outcome.failures.append("registrations were still held after the requests ended")
     return outcome
@@ -167,11 +183,15 @@ def _check(
             outcome.failures.append(f"demo-{req}: rank {r}'s copy differs from the model's output")
 
 
-async def _settled(client: EncodeClient) -> str:
-    """/metrics once every scope has released (or after 5 s, to report what is still held)."""
+async def _settled(client: EncodeClient, *, arena: int) -> str:
+    """/metrics once every scope has released, leaving only the ``arena`` registration (or
+    after 5 s, to report what is still held)."""
     text = await client.metrics()
     with trio.move_on_after(5):
-        while metric_value(text, P + "live_scopes") or metric_value(text, P + "live_registrations"):
+        while (
+            metric_value(text, P + "live_scopes")
+            or metric_value(text, P + "live_registrations") > arena
+        ):
             await trio.sleep(0.02)
             text = await client.metrics()
     return text
