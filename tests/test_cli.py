@@ -191,8 +191,7 @@ def test_demo_moves_and_checks_every_byte() -> None:
 
 def test_demo_without_the_arena_registers_each_request_once() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "trio_encode.cli", "demo", "--requests", "3", "--images", "1"]
-        + ["--arena-bytes", "0"],
+        [sys.executable, "-m", "trio_encode.cli", "demo", "--requests", "3", "--arena-bytes", "0"],
         capture_output=True,
         text=True,
         timeout=120,
