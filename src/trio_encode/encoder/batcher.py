@@ -44,6 +44,10 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+ARENA_WAIT = 0.5
+"""Seconds a request waits for arena room for its new images (never past its deadline)
+before they go to ordinary memory and the request registers its own embedding."""
+
 
 class ThreadRunner(Protocol):
     """Runs a blocking function off the event loop (``trio.to_thread.run_sync`` by default;
@@ -106,6 +110,14 @@ class _Job:
     enqueued_at: float
     waiters: list[tuple[_Request, int]] = field(default_factory=list)  # (request, its index)
     queued: bool = True
+    segment: Segment | None = None
+    """The arena segment reserved for its row (the job holds one lease until it delivers)."""
+
+    def drop_segment(self) -> None:
+        """Give the reserved segment back (the job will not run, or has delivered)."""
+        segment, self.segment = self.segment, None
+        if segment is not None:
+            segment.arena.release(segment)
 
     def deliver(self, row: torch.Tensor, segment: Segment | None) -> None:
         for request, index in self.waiters:
@@ -304,12 +316,17 @@ class ImageEncoder:
                 self._wait_for(self._in_flight[keys[index]], request, index)
             if to_decode:
                 pixels = await self._decode_reserved(items, list(to_decode.values()))
-                # A caller cancelled while its decode thread ran learns that first; only a
-                # caller still wanted hears that the encoder stopped meanwhile.
-                await trio.lowlevel.checkpoint_if_cancelled()
-                if not self._running:
-                    raise self._not_running()
-                self._queue_jobs(request, keys, own, dict(zip(to_decode, pixels, strict=True)))
+                room = await self._reserve_segments(len(to_decode))
+                try:
+                    # A caller cancelled while its decode thread ran learns that first; only a
+                    # caller still wanted hears that the encoder stopped meanwhile.
+                    await trio.lowlevel.checkpoint_if_cancelled()
+                    if not self._running:
+                        raise self._not_running()
+                    pixels_by_key = dict(zip(to_decode, pixels, strict=True))
+                    self._queue_jobs(request, keys, own, pixels_by_key, room)
+                finally:
+                    self._release_all(list(room))  # what no new job took
             await request.done.wait()
         finally:
             self._withdraw(request)
@@ -332,14 +349,16 @@ class ImageEncoder:
         keys: list[CacheKey],
         indices: list[int],
         pixels: dict[CacheKey, torch.Tensor],
+        room: list[Segment],
     ) -> None:
         """Wait for each image's job, queueing one only where no request queued it meanwhile
-        (while this one decoded)."""
+        (while this one decoded). A new job takes a segment from ``room`` if any is left."""
         now = trio.current_time()
         for index in indices:
             job = self._in_flight.get(keys[index])
             if job is None:
                 job = _Job(keys[index], pixels[keys[index]], now)
+                job.segment = room.pop() if room else None
                 self._in_flight[job.key] = job
                 self._queue.append(job)
                 self._changed.set()
@@ -358,6 +377,7 @@ class ImageEncoder:
             if job.queued and not job.waiters:
                 self._queue.remove(job)
                 job.queued = False
+                job.drop_segment()
                 self._forget(job)
         request.jobs.clear()
 
@@ -410,6 +430,7 @@ class ImageEncoder:
             while self._queue:
                 job = self._queue.popleft()
                 job.queued = False
+                job.drop_segment()
                 self._forget(job)
                 job.fail(ShuttingDown("the encoder stopped before this request ran"))
 
@@ -439,7 +460,7 @@ class ImageEncoder:
 
     async def _process(self, batch: list[_Job]) -> None:
         pixels = [job.pixels for job in batch]
-        targets = self._allocate_segments(len(batch))
+        targets = self._allocate_segments(batch)
         try:
             rows, seconds = await self._run_forward(partial(self._forward, pixels, targets))
         except Exception as exc:
@@ -475,13 +496,36 @@ class ImageEncoder:
         elif self._arena is not None:
             self.observer.cache_size(self._arena.cached_bytes, len(self._arena))
 
-    def _allocate_segments(self, count: int) -> list[Segment | None]:
-        """A segment for each image of a batch, leased by the forward until it delivers; None
-        where the arena has no room (that image goes to ordinary memory)."""
+    async def _reserve_segments(self, count: int) -> list[Segment]:
+        """Up to ``count`` segments for a request's new images, waiting for room while the
+        arena is full, for at most :data:`ARENA_WAIT` and never past the caller's deadline
+        (the request scope's backstop). Fewer when time runs out: those images go to ordinary
+        memory and the request registers its own (a fallback)."""
         if self._arena is None:
-            return [None] * count
-        nbytes = self.info.bytes_per_image
-        return [self._arena.allocate(nbytes) for _ in range(count)]
+            return []
+        deadline = min(trio.current_effective_deadline(), trio.current_time() + ARENA_WAIT)
+        room: list[Segment] = []
+        try:
+            for _ in range(count):
+                segment = await self._arena.allocate_by(self.info.bytes_per_image, deadline)
+                if segment is None:
+                    break
+                room.append(segment)
+        except BaseException:
+            self._release_all(list(room))
+            raise
+        return room
+
+    def _allocate_segments(self, batch: list[_Job]) -> list[Segment | None]:
+        """A segment for each image of a batch, leased by the forward until it delivers: the
+        one its job reserved, else one free now; None where there is none (ordinary memory)."""
+        targets: list[Segment | None] = []
+        for job in batch:
+            segment, job.segment = job.segment, None
+            if segment is None and self._arena is not None:
+                segment = self._arena.allocate(self.info.bytes_per_image)
+            targets.append(segment)
+        return targets
 
     @staticmethod
     def _release_all(segments: list[Segment | None]) -> None:
