@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+import torch
 import trio
 import trio.testing
 
@@ -115,6 +116,38 @@ async def test_a_full_arena_falls_back_to_ordinary_memory_after_waiting(
     assert elapsed == pytest.approx(ARENA_WAIT + FORWARD_SECONDS, abs=0.05)
     held.release()
     assert arena.leased_bytes == 0
+
+
+class WideBackend(FakeBackend):
+    """The fake model with 1000-float rows: 8 kB per image, more than a one-page arena."""
+
+    hidden_size = 1000
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        narrow = super().forward(pixels)
+        return narrow[:, :, :1].expand(-1, -1, 1000).contiguous()
+
+
+async def test_an_arena_too_small_for_any_image_is_not_waited_on(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A misconfigured arena smaller than one embedding: requests fall back at once."""
+    arena = Arena(16, cache_bytes=0)  # rounded up to one 4 kB page
+    encoder = ImageEncoder(
+        WideBackend(),
+        replace(SETTINGS, cache_bytes=0),
+        run_decode=inline,
+        run_forward=SlowForward(),
+        arena=arena,
+    )
+    async with serving(encoder):
+        started = trio.current_time()
+        embedding = await encoder.encode([image(5)])
+        elapsed = trio.current_time() - started
+    assert isinstance(embedding, Embedding)
+    assert reds(embedding) == [5, 5]
+    assert elapsed == pytest.approx(FORWARD_SECONDS, abs=0.05), "no wait for room"
+    assert arena.fallbacks == 1
 
 
 async def test_a_request_cancelled_while_waiting_for_room_leaves_nothing(

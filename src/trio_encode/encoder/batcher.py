@@ -501,8 +501,8 @@ class ImageEncoder:
         arena is full, for at most :data:`ARENA_WAIT` and never past the caller's deadline
         (the request scope's backstop). Fewer when time runs out: those images go to ordinary
         memory and the request registers its own (a fallback)."""
-        if self._arena is None:
-            return []
+        if self._arena is None or self.info.bytes_per_image > self._arena.nbytes:
+            return []  # no arena, or one that can never hold an image: nothing to wait for
         deadline = min(trio.current_effective_deadline(), trio.current_time() + ARENA_WAIT)
         room: list[Segment] = []
         try:
