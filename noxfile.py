@@ -33,14 +33,14 @@ def _install(session: nox.Session, *extras_and_groups: str) -> None:
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
     """The test suite, against the real Mooncake engine (TCP on loopback) and the mock clock."""
-    _install(session, "mooncake", "hf", "group:tests")
+    _install(session, "mooncake", "hf", "bench", "group:tests")
     session.run("pytest", *session.posargs)
 
 
 @nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
     """ruff (check and format) and strict mypy over the package."""
-    _install(session, "mooncake", "hf", "group:lint")
+    _install(session, "mooncake", "hf", "bench", "group:lint")
     session.run("ruff", "check", "src", "tests", "noxfile.py")
     session.run("ruff", "format", "--check", "src", "tests", "noxfile.py")
     session.run("mypy")
@@ -71,15 +71,17 @@ def explore(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
-    """``trio-encode bench``: served /send and /encode against raw Mooncake transfers and the
-    raw forward, a /health probe and peak RSS (2-3 minutes on 2 cores; run it on an idle
-    machine). Arguments after ``--`` go to the command, e.g. ``nox -s bench -- --json``."""
-    _install(session, "mooncake")
+    """``trio-encode bench``: served /send against raw Mooncake transfers and an asyncio peer,
+    /encode against the raw forward, a /health probe and peak RSS (several minutes on 2 cores;
+    run it on an idle machine), then the modelled RDMA run. Arguments after ``--`` go to the
+    measured command, e.g. ``nox -s bench -- --json``."""
+    _install(session, "mooncake", "bench")
     session.run("trio-encode", "bench", *session.posargs)
     # Again with a core left to the event loop, decoding and transfers: on small hosts this
     # is the configuration where the serving path's share of the machine shows.
     spare = str(max(1, (os.cpu_count() or 2) - 1))
     session.run("trio-encode", "bench", "--torch-threads", spare, *session.posargs)
+    session.run("trio-encode", "bench", "--model", "rdma")
 
 
 @nox.session(python=PYTHON)

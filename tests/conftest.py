@@ -8,7 +8,7 @@ behind, which :func:`engine_pair` guarantees for the registrations made through 
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 
 import pytest
@@ -133,6 +133,11 @@ class TrackingEngine:
         self, session_id: str, local_address: int, remote_address: int, length: int
     ) -> None:
         await self.engine.transfer(session_id, local_address, remote_address, length)
+
+    async def transfer_segments(
+        self, session_id: str, segments: Sequence[tuple[int, int]], remote_address: int
+    ) -> None:
+        await self.engine.transfer_segments(session_id, segments, remote_address)
 
     async def cleanup(self) -> None:
         for address in sorted(self.live):

@@ -54,6 +54,9 @@ class RecordingObserver:
     def deregistered(self, address: int) -> None:
         self._add("deregistered", address)
 
+    def registration_timed(self, call: str, seconds: float) -> None:
+        self._add("registration_timed", call, seconds)
+
     def transfer_finished(self, req_id: str, nbytes: int, seconds: float) -> None:
         self._add("transfer_finished", req_id, nbytes, seconds)
 

@@ -54,7 +54,7 @@ class Mutant:
 MUTANTS: dict[str, Mutant] = {
     "siblings each register (failure 1)": Mutant(
         "scope.py",
-        "            if self._lease is None:\n                try:",
+        "            if self._leases is None:\n                try:",
         "            if True:\n                try:",
         (
             INVARIANTS + "test_sibling_sends_register_once",
@@ -73,8 +73,8 @@ MUTANTS: dict[str, Mutant] = {
     "embedding dropped before deregistration (failure 2)": Mutant(
         # The scope drops it last, and the ledger keeps it while registered: break both.
         "scope.py",
-        "        lease, self._lease = self._lease, None\n",
-        "        lease, self._lease = self._lease, None\n        self._embedding = None\n",
+        "        leases, self._leases = self._leases or [], None\n",
+        "        leases, self._leases = self._leases or [], None\n        self._embedding = None\n",
         (
             INVARIANTS + "test_embedding_is_dropped_only_after_deregistration",
             EXPLORE + "test_random_schedules_without_cancellation",

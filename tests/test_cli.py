@@ -268,9 +268,26 @@ def test_demo_moves_and_checks_every_byte() -> None:
     rows = dict(re.findall(r"│ (.+?)\s+│\s+(.+?) │", result.stdout))
     assert rows["requests x ranks"] == "3 x 4"
     assert rows["copies equal to the model's output"] == "12"
-    assert rows["registrations made"] == "3"
-    assert rows["registrations released"] == "3"
+    # The arena is registered once for the server's life; no request registers anything.
+    assert rows["the arena, registered once"] == "yes"
+    assert rows["requests outside the arena"] == "0"
+    assert rows["registrations made"] == "1"
     assert rows["registrations live at the end"] == "0"
     # Every step, teardown included, says what it waits for.
     assert "waiting for every scope to release its registration" in result.stderr
     assert "stopping the server and closing the landing pools" in result.stderr
+
+
+def test_demo_without_the_arena_registers_each_request_once() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "trio_encode", "demo", "--requests", "3", "--arena-bytes", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert "OK: every byte checked" in result.stdout
+    rows = dict(re.findall(r"│ (.+?)\s+│\s+(.+?) │", result.stdout))
+    assert rows["registrations made"] == "3"
+    assert rows["registrations released"] == "3"
+    assert rows["registrations live at the end"] == "0"

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from trio_encode.embedding import TORCH_DTYPES
 from trio_encode.encoder.backend import load_backend
 from trio_encode.encoder.model import (
-    TORCH_DTYPES,
     BuiltinBackend,
     build_model,
     compile_forward,

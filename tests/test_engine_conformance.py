@@ -136,6 +136,38 @@ async def test_transfer_lands_every_byte(engine_pair: EnginePair, buffers: Buffe
     assert not dest[KIB + size :].any()
 
 
+async def test_segments_land_back_to_back(engine_pair: EnginePair, buffers: BufferPool) -> None:
+    """Three segments from different places of one registered source land contiguously."""
+    source = buffers.pattern(96 * KIB)
+    dest = buffers.zeros(64 * KIB)
+    await engine_pair.sender.register(addr(source), 96 * KIB)
+    await engine_pair.receiver.register(addr(dest), 64 * KIB)
+    pieces = [(addr(source, 64 * KIB), 16 * KIB), (addr(source), 8 * KIB), (addr(source, KIB), KIB)]
+    await engine_pair.sender.transfer_segments(
+        engine_pair.receiver.session_id, pieces, addr(dest, KIB)
+    )
+    expected = torch.cat([source[64 * KIB : 80 * KIB], source[: 8 * KIB], source[KIB : 2 * KIB]])
+    assert torch.equal(dest[KIB : KIB + 25 * KIB], expected)
+    assert not dest[:KIB].any()
+    assert not dest[26 * KIB :].any()
+
+
+async def test_segments_past_the_destination_fail(
+    engine_pair: EnginePair, buffers: BufferPool
+) -> None:
+    """A later segment that would land outside the receiver's buffer fails the whole call."""
+    source = buffers.pattern(8 * KIB)
+    dest = buffers.zeros(6 * KIB)
+    await engine_pair.sender.register(addr(source), 8 * KIB)
+    await engine_pair.receiver.register(addr(dest), 6 * KIB)
+    pieces = [(addr(source), 4 * KIB), (addr(source, 4 * KIB), 4 * KIB)]
+    await expect_error(
+        "transfer",
+        TRANSFER_FAILED,
+        engine_pair.sender.transfer_segments(engine_pair.receiver.session_id, pieces, addr(dest)),
+    )
+
+
 async def test_transfer_to_unregistered_destination_fails(
     engine_pair: EnginePair, buffers: BufferPool
 ) -> None:

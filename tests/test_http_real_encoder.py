@@ -21,7 +21,14 @@ from trio_encode.client import LandingSlot, metric_value
 from trio_encode.encoder import EncoderSettings, ImageEncoder, decode_image
 
 SMALL = EncoderSettings(
-    image_size=64, patch_size=16, width=64, depth=2, heads=2, hidden_size=256, max_batch_size=8
+    image_size=64,
+    patch_size=16,
+    width=64,
+    depth=2,
+    heads=2,
+    hidden_size=256,
+    max_batch_size=8,
+    arena_bytes=0,  # these tests are about per-request registration; test_http_arena has the arena
 )
 
 

@@ -87,6 +87,7 @@ class _SlowLoadEncoder:
     ``trio.to_thread.run_sync(abandon_on_cancel=False)`` does."""
 
     ready = True
+    arena = None  # per-request registration only
 
     def __init__(self, encode_error: Exception | None = None) -> None:
         self.encode_error = encode_error
@@ -224,9 +225,13 @@ async def test_an_unexpected_error_ends_only_its_own_request(
         dim = 0
         dtype = "float32"
         checksum = "xxh3-64:0"
+        segments = ((0, 0),)
 
         def copy(self) -> BrokenMemory:
             return self
+
+        def release(self) -> None:
+            pass
 
     async with lifecycle_rig() as rig:
 

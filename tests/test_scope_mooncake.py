@@ -6,7 +6,7 @@ Real engines run their calls in worker threads, so these tests run on the real c
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import pytest
@@ -49,6 +49,12 @@ class CountingEngine:
     ) -> None:
         self.calls["transfer"] += 1
         await self.engine.transfer(session_id, local_address, remote_address, length)
+
+    async def transfer_segments(
+        self, session_id: str, segments: Sequence[tuple[int, int]], remote_address: int
+    ) -> None:
+        self.calls["transfer"] += 1
+        await self.engine.transfer_segments(session_id, segments, remote_address)
 
 
 @dataclass

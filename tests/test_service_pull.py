@@ -38,6 +38,7 @@ class ScriptedEncoder:
     ``slow:`` ones take 1000 s."""
 
     ready = True
+    arena = None  # embeddings in memory of their own, registered per request
 
     async def load_items(self, items: Sequence[str]) -> list[bytes]:
         if any(not item.startswith(("img:", "fail:", "slow:")) for item in items):

@@ -19,6 +19,7 @@ class SeededEncoder:
     """An encoder stand-in for mock-clock tests: no threads, 1 s of virtual forward time."""
 
     ready = True
+    arena = None  # per-request registration only
 
     async def load_items(self, items: Sequence[str]) -> list[bytes]:
         if any(not item.startswith("img:") for item in items):

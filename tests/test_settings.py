@@ -200,7 +200,7 @@ def test_demo_and_bench_flags_come_from_their_own_declarations() -> None:
     assert "--port" not in demo.output
     bench = CliRunner().invoke(cli, ["bench", "--help"], terminal_width=200)
     assert "\nBench:\n" in bench.output
-    assert "default: 1,4" in bench.output
+    assert "default: 1,2,4,8" in bench.output
     refused = CliRunner().invoke(cli, ["bench", "--transfer-images", "0,2"])
     assert refused.exit_code == 2
     assert "--transfer-images" in refused.output

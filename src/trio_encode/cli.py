@@ -26,10 +26,11 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import SettingsError
 
 from trio_encode import __version__
-from trio_encode.bench.config import BenchConfig
+from trio_encode.bench.settings import BenchConfig
 from trio_encode.declare import GROUPS, Group
 from trio_encode.demo import DemoSettings
 from trio_encode.engine import EngineError
+from trio_encode.engine.costs import MODELS
 from trio_encode.logs import setup_logging
 from trio_encode.settings import ServerSettings, Setting, catalog, describe_error, model_fields
 from trio_encode.sizes import format_size, parse_size
@@ -251,25 +252,45 @@ def demo(**options: Any) -> None:
 
 @cli.command(cls=GroupedCommand)
 @model_options(BenchConfig)
+@click.option(
+    "--model",
+    "cost_model",
+    type=click.Choice(sorted(MODELS)),
+    default=None,
+    help="Instead of measuring, run the arena and per-request registration through the "
+    "request lifecycle on the in-memory engine with this cost model, in virtual time, and "
+    "print requests/s per path (a model, not a measurement).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead.")
 @server_options(*MODEL_GROUPS)
-def bench(as_json: bool, **options: Any) -> None:
-    """Measure the served paths against their raw parts, side by side, in one run.
+def bench(cost_model: str | None, as_json: bool, **options: Any) -> None:
+    """Measure the served paths against their raw parts and an asyncio peer, in one run.
 
-    Transfers: Mooncake transfer() vs /send of the same bytes (TP ranks at once, encoding
-    excluded). Encoder: the model's forward at B = --max-batch-size vs /encode over HTTP with
-    distinct images (the cache is always off). A probe polls /health meanwhile; the peak RSS
-    is reported. The defaults take about 2-3 minutes on 2 cores; run it on an idle machine.
+    /send: raw Mooncake transfers vs /send of the same bytes (arena on and off) vs the same
+    sends through an asyncio (FastAPI/uvicorn) model of the seed's fixed path, per embedding
+    size and TP, ranks and clients in a separate process. Encoder: the model's forward at
+    B = --max-batch-size vs /encode over HTTP with distinct images. A probe polls /health
+    meanwhile. The defaults take several minutes on 2 cores; run it on an idle machine.
+    With --model, nothing is measured: a cost model runs in virtual time instead.
     """
     setup_logging("WARNING")
     own = given(options, model_fields(BenchConfig))
     settings = load_settings(given(options, set(options) - set(own)))
-    config = build(BenchConfig, own, encoder=settings.encoder, engine=settings.engine)
-    from trio_encode.bench.server import run_bench
+    config: BenchConfig = build(BenchConfig, own, encoder=settings.encoder, engine=settings.engine)
+    if cost_model is not None:
+        from trio_encode.bench.model import run_model
+
+        modelled = run_model(MODELS[cost_model], list(config.sizes), config.tps)
+        if as_json:
+            click.echo(json.dumps(modelled.to_json(), indent=2))
+        else:
+            click.echo(modelled.table())
+        return
+    from trio_encode.bench.run import run_bench
 
     result = _run(run_bench, config)
     if as_json:
-        click.echo(json.dumps(result.to_json(), indent=2))
+        click.echo(json.dumps(result.to_json(), indent=2, default=str))
     else:
         click.echo(result.table())
 

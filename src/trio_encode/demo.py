@@ -78,6 +78,10 @@ class DemoOutcome:
     registrations: float = 0.0
     deregistrations: float = 0.0
     live_registrations: float = 0.0
+    """Besides the arena's, which lives as long as the server."""
+    arena: bool = False
+    fallbacks: float = 0.0
+    """Requests that did not fit in the arena and registered their own memory."""
     copies_checked: int = 0
     cut_short: int = 0
     failures: list[str] = field(default_factory=list)
@@ -101,6 +105,9 @@ class DemoOutcome:
         table.add_row("time (encoding included)", f"{self.seconds:.2f} s")
         table.add_row("throughput", f"{rate:.0f} MB/s")
         table.add_row("copies equal to the model's output", f"{self.copies_checked}")
+        if self.arena:
+            table.add_row("the arena, registered once", "yes")
+            table.add_row("requests outside the arena", f"{self.fallbacks:.0f}")
         table.add_row("registrations made", f"{self.registrations:.0f}")
         table.add_row("registrations released", f"{self.deregistrations:.0f}")
         table.add_row("registrations live at the end", f"{self.live_registrations:.0f}")
@@ -224,10 +231,12 @@ async def _run(settings: ServerSettings, config: DemoSettings, steps: _Steps) ->
                 _check(req, tp, per_request, expected, answers, outcome)
                 one()
         with steps.step("waiting for every scope to release its registration"):
-            text = await _settled(client)
+            outcome.arena = encoder.arena is not None
+            text = await _settled(client, arena=int(outcome.arena))
         outcome.registrations = metric_value(text, P + "registrations_total")
         outcome.deregistrations = metric_value(text, P + "deregistrations_total")
-        outcome.live_registrations = metric_value(text, P + "live_registrations")
+        outcome.live_registrations = metric_value(text, P + "live_registrations") - outcome.arena
+        outcome.fallbacks = metric_value(text, P + "arena_fallbacks")
         outcome.bytes_moved = int(metric_value(text, P + "transfer_bytes_total"))
         # The rest runs as the stack unwinds: the client's connections close, each rank
         # deregisters its pool, and the server stops.
@@ -235,8 +244,13 @@ async def _run(settings: ServerSettings, config: DemoSettings, steps: _Steps) ->
     steps.finish(teardown)
     report = running.service.shutdown_report
     outcome.cut_short = report.cut_short if report is not None else 0
-    if outcome.registrations != requests:
-        outcome.failures.append(f"{outcome.registrations:.0f} registrations for {requests}")
+    # With the arena: itself once, plus each request that did not fit; without: one a request.
+    expected_registrations = 1 + outcome.fallbacks if outcome.arena else requests
+    if outcome.registrations != expected_registrations:
+        outcome.failures.append(
+            f"{outcome.registrations:.0f} registrations for {requests} requests "
+            f"(expected {expected_registrations:.0f})"
+        )
     if outcome.live_registrations or running.service.ledger.live_registrations:
         outcome.failures.append("registrations were still held after the requests ended")
     return outcome
@@ -282,11 +296,15 @@ def _check(
             outcome.failures.append(f"demo-{req}: rank {r}'s copy differs from the model's output")
 
 
-async def _settled(client: EncodeClient) -> str:
-    """/metrics once every scope has released (or after 5 s, to report what is still held)."""
+async def _settled(client: EncodeClient, *, arena: int) -> str:
+    """/metrics once every scope has released, leaving only the ``arena`` registration (or
+    after 5 s, to report what is still held)."""
     text = await client.metrics()
     with trio.move_on_after(5):
-        while metric_value(text, P + "live_scopes") or metric_value(text, P + "live_registrations"):
+        while (
+            metric_value(text, P + "live_scopes")
+            or metric_value(text, P + "live_registrations") > arena
+        ):
             await trio.sleep(0.02)
             text = await client.metrics()
     return text

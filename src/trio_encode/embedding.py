@@ -1,18 +1,27 @@
-"""The embedding a request scope ships: a contiguous tensor and the facts about its memory."""
+"""The embedding a request scope ships, and the facts about its memory.
+
+Two shapes: :class:`Embedding`, one contiguous tensor (registered per request when sent), and
+:class:`ArenaEmbedding`, the request's images' segments of the registered arena, sent as they
+lie (no registration, no concatenation).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
 import torch
 import xxhash
 
-_DTYPE_NAMES: dict[torch.dtype, str] = {
+from trio_encode.arena import Segment
+
+DTYPE_NAMES: dict[torch.dtype, str] = {  # the one table of embedding dtypes and their names
     torch.float32: "float32",
     torch.bfloat16: "bfloat16",
     torch.float16: "float16",
 }
+TORCH_DTYPES: dict[str, torch.dtype] = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 
 
 @dataclass(frozen=True, eq=False)
@@ -33,7 +42,7 @@ class Embedding:
             raise ValueError("an embedding must be contiguous: the engine sends raw bytes")
         if self.tensor.device.type != "cpu":
             raise ValueError("an embedding must be in CPU memory")
-        if self.tensor.dtype not in _DTYPE_NAMES:
+        if self.tensor.dtype not in DTYPE_NAMES:
             raise ValueError(f"unsupported embedding dtype {self.tensor.dtype}")
 
     @property
@@ -54,7 +63,7 @@ class Embedding:
 
     @property
     def dtype(self) -> str:
-        return _DTYPE_NAMES[self.tensor.dtype]
+        return DTYPE_NAMES[self.tensor.dtype]
 
     @cached_property
     def checksum(self) -> str:
@@ -62,9 +71,86 @@ class Embedding:
         reads every byte: call it off the event loop) and remembered."""
         return checksum_of(self.tensor.view(torch.uint8).numpy().data)
 
+    @property
+    def segments(self) -> list[tuple[int, int]]:
+        return [(self.address, self.nbytes)]
+
     def copy(self) -> Embedding:
         """A private copy in fresh memory (used when the original's memory cannot be shared)."""
         return Embedding(self.tensor.clone(memory_format=torch.contiguous_format))
+
+    def release(self) -> None:
+        """Nothing to give back: dropping the last reference frees the tensor."""
+
+
+class ArenaEmbedding:
+    """A request's embedding as its images' arena segments, in order (one may repeat).
+
+    Holds one lease on each listed segment, given back by :meth:`release` (on the event loop,
+    after the scope has stopped every transfer that reads them). ``rows`` are views of the
+    segments' bytes, for callers that want tensors.
+    """
+
+    def __init__(self, parts: Sequence[tuple[Segment, torch.Tensor]]) -> None:
+        if not parts:
+            raise ValueError("an embedding needs at least one segment")
+        first = parts[0][1]
+        if any(row.dim() != 2 or row.shape[1] != first.shape[1] for _, row in parts):
+            raise ValueError("every segment must hold (rows, dim) of the same dim")
+        self._segments = [segment for segment, _ in parts]
+        self.views = [row for _, row in parts]
+        self._released = False
+
+    @property
+    def address(self) -> int:
+        return self._segments[0].address
+
+    @property
+    def nbytes(self) -> int:
+        return sum(segment.nbytes for segment in self._segments)
+
+    @property
+    def rows(self) -> int:
+        return sum(int(view.shape[0]) for view in self.views)
+
+    @property
+    def dim(self) -> int:
+        return int(self.views[0].shape[1])
+
+    @property
+    def dtype(self) -> str:
+        return DTYPE_NAMES[self.views[0].dtype]
+
+    @property
+    def segments(self) -> list[tuple[int, int]]:
+        return [(segment.address, segment.nbytes) for segment in self._segments]
+
+    @cached_property
+    def checksum(self) -> str:
+        """The checksum of the segments' bytes one after another, as a receiver holds them
+        (reads every byte: call it off the event loop first)."""
+        digest = xxhash.xxh3_64()
+        for segment in self._segments:
+            digest.update(segment.buffer)
+        return f"{CHECKSUM_ALGORITHM}:{digest.hexdigest()}"
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The rows as one contiguous tensor, like :attr:`Embedding.tensor` (here a copy: the
+        rows lie in separate segments)."""
+        return torch.cat(self.views, dim=0)
+
+    def copy(self) -> Embedding:
+        """The same bytes in one fresh tensor, outside the arena."""
+        return Embedding(self.tensor)
+
+    def release(self) -> None:
+        """Give the segments' leases back to the arena, once."""
+        if self._released:
+            return
+        self._released = True
+        for segment in self._segments:
+            segment.arena.release(segment)
 
 
 CHECKSUM_ALGORITHM = "xxh3-64"

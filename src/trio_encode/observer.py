@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Literal, Protocol
+
+RegistrationCall = Literal["register", "deregister"]
 
 
 class LifecycleObserver(Protocol):
@@ -17,6 +19,11 @@ class LifecycleObserver(Protocol):
     def registered(self, address: int, length: int) -> None: ...
 
     def deregistered(self, address: int) -> None: ...
+
+    def registration_timed(self, call: RegistrationCall, seconds: float) -> None:
+        """One register or deregister call took ``seconds`` (failed ones included): the cost
+        the arena exists to avoid, which no transfer metric shows."""
+        ...
 
     def transfer_finished(self, req_id: str, nbytes: int, seconds: float) -> None: ...
 
@@ -47,6 +54,9 @@ class NullObserver:
         pass
 
     def deregistered(self, address: int) -> None:
+        pass
+
+    def registration_timed(self, call: RegistrationCall, seconds: float) -> None:
         pass
 
     def transfer_finished(self, req_id: str, nbytes: int, seconds: float) -> None:

@@ -18,13 +18,14 @@ by a transfer that names the old registration.
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Literal
 
 import trio
 
 from trio_encode.engine import INVALID_ADDRESS, EngineError, TransferEngine
-from trio_encode.observer import LifecycleObserver, NullObserver
+from trio_encode.observer import LifecycleObserver, NullObserver, RegistrationCall
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,9 @@ class Lease:
     address: int
     length: int
     _region: _Region
+    _owner_id: int = 0
+    """``id`` of the owner this lease added to its region (not the owner itself: a lease
+    reachable from a logged traceback must not keep an embedding alive)."""
     released: bool = False
 
 
@@ -127,7 +131,7 @@ class RegistrationLedger:
                 )
             region.leases += 1
             region.owners.append(owner)
-            return Lease(address, length, region)
+            return Lease(address, length, region, id(owner))
 
     async def release(self, lease: Lease) -> None:
         """Give a lease back; the last one deregisters. Call it shielded from cancellation.
@@ -141,11 +145,17 @@ class RegistrationLedger:
         region = lease._region
         region.leases -= 1
         if region.leases > 0:
+            # The others' owners keep the bytes alive (they lie inside the region); keeping
+            # this one too would grow a long-lived region's list with every lease.
+            for index, owner in enumerate(region.owners):
+                if id(owner) == lease._owner_id:
+                    del region.owners[index]
+                    break
             return
         region.state = "deregistering"
         region.settled = trio.Event()  # a fresh one: the old was set when registering ended
         try:
-            await self._engine.deregister(region.address)
+            await self._timed("deregister", self._engine.deregister(region.address))
         except EngineError as exc:
             self._observer.engine_error(exc.call, exc.code)
             if exc.code == INVALID_ADDRESS:
@@ -193,6 +203,13 @@ class RegistrationLedger:
             await trio.sleep(self._quarantine_retry)
             await self.retry_quarantined()
 
+    async def _timed(self, call: RegistrationCall, engine_call: Awaitable[None]) -> None:
+        started = trio.current_time()
+        try:
+            await engine_call
+        finally:
+            self._observer.registration_timed(call, trio.current_time() - started)
+
     def _quarantined(self) -> list[_Region]:
         return [r for r in self._regions.values() if r.state == "quarantined"]
 
@@ -223,7 +240,7 @@ class RegistrationLedger:
         self._regions[address] = region
         try:
             with trio.CancelScope(shield=True):
-                await self._engine.register(address, length)
+                await self._timed("register", self._engine.register(address, length))
         except BaseException as exc:
             self._forget(region)
             if isinstance(exc, EngineError):
@@ -233,4 +250,4 @@ class RegistrationLedger:
         region.leases = 1
         region.settled.set()
         self._observer.registered(address, length)
-        return Lease(address, length, region)
+        return Lease(address, length, region, id(owner))

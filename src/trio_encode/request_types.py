@@ -7,7 +7,7 @@ them without importing the lifecycle machinery.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -42,8 +42,19 @@ class EmbeddingMemory(Protocol):
         """``algorithm:hex`` of the bytes; computed once, may be slow the first time."""
         ...
 
+    @property
+    def segments(self) -> Sequence[tuple[int, int]]:
+        """``(address, length)`` of each piece, in the order a receiver gets them back to back;
+        one piece for a contiguous embedding, one per image for arena segments."""
+        ...
+
     def copy(self) -> EmbeddingMemory:
         """The same bytes in fresh memory."""
+        ...
+
+    def release(self) -> None:
+        """Give back what the embedding holds beyond its memory (arena leases); called once,
+        on the event loop, after every transfer from it has returned."""
         ...
 
 

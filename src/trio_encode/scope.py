@@ -119,7 +119,7 @@ class RequestScope:
         self._ended = trio.Event()
         self._nursery: trio.Nursery | None = None
         self._backstop = trio.CancelScope(deadline=deadline)
-        self._lease: Lease | None = None
+        self._leases: list[Lease] | None = None
         self._register_lock = trio.Lock()
         self._attempts: dict[Receiver, _Attempt] = {}
         self._done: set[Receiver] = set()
@@ -305,15 +305,23 @@ class RequestScope:
     async def _run_attempt(self, attempt: _Attempt) -> None:
         try:
             with attempt.withdraw:
-                address, nbytes = await self._register_once()
+                segments = await self._register_once()
                 # The register call runs shielded, so a withdrawal during it is seen only here.
                 attempt.transferring = not attempt.withdraw.cancel_called
             if not attempt.transferring:
                 return  # withdrawn before its transfer started: it never happened
             started = trio.current_time()
-            await self._engine.transfer(
-                attempt.receiver.session_id, address, attempt.receiver.buffer_address, nbytes
-            )
+            receiver = attempt.receiver
+            if len(segments) == 1:
+                ((address, nbytes),) = segments
+                await self._engine.transfer(
+                    receiver.session_id, address, receiver.buffer_address, nbytes
+                )
+            else:
+                nbytes = sum(length for _, length in segments)
+                await self._engine.transfer_segments(
+                    receiver.session_id, segments, receiver.buffer_address
+                )
             attempt.succeeded = True
             self._bytes_sent += nbytes
             self._observer.transfer_finished(self.req_id, nbytes, trio.current_time() - started)
@@ -338,24 +346,42 @@ class RequestScope:
                 del self._attempts[attempt.receiver]
             attempt.done.set()
 
-    async def _register_once(self) -> tuple[int, int]:
-        """Wait for the embedding and lease its memory; siblings share the first lease."""
+    async def _register_once(self) -> list[tuple[int, int]]:
+        """Wait for the embedding and lease its memory; siblings share the first leases.
+
+        An embedding in the registered arena is covered by the arena's own registration, so
+        leasing its segments asks the engine nothing; any other embedding is registered here,
+        once for the request.
+        """
         await self._encoded.wait()
         if self._embedding is None:
             raise self._why_not_served()
         async with self._register_lock:
-            if self._lease is None:
+            if self._leases is None:
                 try:
-                    self._lease = await self._ledger.acquire(
-                        self._embedding.address, self._embedding.nbytes, owner=self._embedding
-                    )
+                    self._leases = await self._lease_all(self._embedding)
                 except PartialOverlap:
                     # Our bytes straddle memory we cannot lease: send from a private copy.
-                    self._embedding = self._embedding.copy()
-                    self._lease = await self._ledger.acquire(
-                        self._embedding.address, self._embedding.nbytes, owner=self._embedding
-                    )
-        return self._embedding.address, self._embedding.nbytes
+                    original, self._embedding = self._embedding, self._embedding.copy()
+                    original.release()
+                    self._leases = await self._lease_all(self._embedding)
+        return list(self._embedding.segments)
+
+    async def _lease_all(self, embedding: EmbeddingMemory) -> list[Lease]:
+        """One ledger lease per distinct segment; all or none."""
+        leases: list[Lease] = []
+        try:
+            for address, nbytes in dict.fromkeys(embedding.segments):
+                leases.append(await self._ledger.acquire(address, nbytes, owner=embedding))
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                for lease in leases:
+                    try:
+                        await self._ledger.release(lease)
+                    except EngineError as exc:
+                        log.error("deregister failed: %s", exc, extra={"req_id": self.req_id})
+            raise
+        return leases
 
     def _finish(self, reason: EndReason) -> None:
         if self.end_reason is None:
@@ -374,19 +400,25 @@ class RequestScope:
         self._finished.set()
 
     async def _release(self) -> None:
-        """Give the lease back, then drop the embedding; in that order, exactly once.
+        """Give the leases back, then the embedding (its arena segments, its memory); in that
+        order, exactly once.
 
         If the engine refuses to deregister, the ledger keeps the memory alive itself (the
         lease's owner) until a retry succeeds, so dropping our reference never frees bytes the
-        engine may still have registered.
+        engine may still have registered. Arena segments are not registered on their own, and
+        go back to the arena only after every transfer that reads them has returned.
         """
-        lease, self._lease = self._lease, None
+        leases, self._leases = self._leases or [], None
         try:
-            if lease is not None:
-                await self._ledger.release(lease)
-        except EngineError as exc:
-            log.error("deregister failed: %s", exc, extra={"req_id": self.req_id})
+            for lease in leases:
+                try:
+                    await self._ledger.release(lease)
+                except EngineError as exc:
+                    log.error("deregister failed: %s", exc, extra={"req_id": self.req_id})
         finally:
+            # No local names the embedding: a logged traceback keeps this frame's locals.
+            if self._embedding is not None:
+                self._embedding.release()
             self._embedding = None
 
     def _why_not_served(self) -> RequestError:

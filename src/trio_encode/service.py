@@ -20,12 +20,13 @@ import trio
 from pydantic import ConfigDict
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 
+from trio_encode.arena import Arena
 from trio_encode.arrivals import Arrivals
 from trio_encode.declare import setting
-from trio_encode.engine import TransferEngine
+from trio_encode.engine import EngineError, TransferEngine
 from trio_encode.errors import EncodeNotArrived, InvalidInput, ShuttingDown
 from trio_encode.observer import LifecycleObserver, NullObserver
-from trio_encode.registrations import RegistrationLedger
+from trio_encode.registrations import Lease, RegistrationLedger
 from trio_encode.registry import ScopeRegistry
 from trio_encode.request_types import EmbeddingMemory, EmbeddingShape, Receiver, SendReport
 
@@ -37,6 +38,12 @@ class Encoder(Protocol):
 
     @property
     def ready(self) -> bool: ...
+
+    @property
+    def arena(self) -> Arena | None:
+        """The registered arena the encoder writes embeddings into; None: per-request
+        registration only."""
+        ...
 
     async def load_items(self, items: Sequence[str]) -> list[bytes]:
         """Check and load ``mm_items`` without decoding pixels; raise InvalidInput."""
@@ -156,18 +163,39 @@ class EncodeService:
                 settings=settings or ServiceSettings(),
                 observer=observer or NullObserver(),
             )
-            await nursery.start(encoder.run)
             await nursery.start(service.ledger.run)
+            arena_lease = await service._register_arena()
             try:
+                await nursery.start(encoder.run)
                 yield service
             finally:
                 with trio.CancelScope(shield=True):
                     await service.shutdown()
+                    if arena_lease is not None:
+                        await service._release_arena(arena_lease)
                 nursery.cancel_scope.cancel()
 
     @property
     def ready(self) -> bool:
         return self.encoder.ready and not self.registry.closed
+
+    async def _register_arena(self) -> Lease | None:
+        """Register the encoder's arena once, for the service's life. Its segments are then
+        leased from this registration, so sending them registers nothing. A refusal stops the
+        server from starting: an engine that cannot register the arena would fail every send."""
+        arena = self.encoder.arena
+        if arena is None:
+            return None
+        lease = await self.ledger.acquire(arena.address, arena.nbytes, owner=arena)
+        log.info("arena of %d bytes registered at %#x", arena.nbytes, arena.address)
+        return lease
+
+    async def _release_arena(self, lease: Lease) -> None:
+        """Deregister the arena once every scope has ended (shielded by the caller)."""
+        try:
+            await self.ledger.release(lease)
+        except EngineError as exc:
+            log.error("deregistering the arena failed: %s", exc)
 
     async def encode(
         self, req_id: str, mm_items: Sequence[str], *, receive_count: int | None

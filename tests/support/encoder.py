@@ -46,6 +46,8 @@ def embedding_size(images: int) -> int:
 class StandInEncoder:
     """Implements the service's ``Encoder`` protocol without a model."""
 
+    arena = None  # per-request registration only
+
     def __init__(self, *, delay: float = 0.0, slow_seconds: float = 5.0) -> None:
         self.delay = delay
         self.slow_seconds = slow_seconds

@@ -7,13 +7,14 @@ and threads. A missing Mooncake makes the tests that use them fail, never skip.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import pytest
 import trio
 
 from trio_encode.engine import EngineError
-from trio_encode.engine.mooncake import MooncakeEngine, MooncakeSettings
+from trio_encode.engine.mooncake import MooncakeEngine, MooncakeSettings, write_segments
 
 TP = 4
 DEAD_SESSION = "127.0.0.1:1"
@@ -61,14 +62,20 @@ class DelayedTransferEngine:
     async def transfer(
         self, session_id: str, local_address: int, remote_address: int, length: int
     ) -> None:
+        await self.transfer_segments(session_id, [(local_address, length)], remote_address)
+
+    async def transfer_segments(
+        self, session_id: str, segments: Sequence[tuple[int, int]], remote_address: int
+    ) -> None:
         def slow_write() -> int:
             time.sleep(self.delay)
-            code: int = self.engine.raw.transfer_sync_write(
-                session_id, local_address, remote_address, length
-            )
-            return code
+            return write_segments(self.engine.raw, session_id, segments, remote_address)
 
         code = await trio.to_thread.run_sync(slow_write, abandon_on_cancel=False)
+        self._check(code, session_id, remote_address)
+
+    @staticmethod
+    def _check(code: int, session_id: str, remote_address: int) -> None:
         if code != 0:
             raise EngineError(
                 "transfer", code, session_id=session_id, remote_address=remote_address

@@ -1,20 +1,23 @@
-"""The encoder rows' load generator, in a process of its own.
+"""The bench's load generator and receiver ranks, in a process of their own.
 
 In a deployment the clients calling ``/encode`` and the prefill ranks receiving the
 embeddings run on other machines. Run in the server's process they would share its GIL and
 event loop, and charge their own HTTP and Mooncake work to the server. So the bench starts
 this module as a child process (its niceness is an option; raising it to 10 made the
-served forward slower, not faster, on 2 cores): it opens its own receiver ranks and runs
-N clients looping ``/encode`` then ``/send`` with natural-looking JPEGs, driven by one-line
-commands on stdin:
+served forward slower, not faster, on 2 cores) that opens its own receiver ranks, each with
+its own Mooncake engine and registered landing pool. Two modes:
 
-- ``start``: start the clients;
-- ``mark``: answer how many ``/encode`` calls have answered so far;
-- ``stop``: let each client finish its request, then answer;
-- ``exit``: close the ranks and leave.
+- ``encode`` (the encoder rows): N clients loop ``/encode`` then ``/send`` with
+  natural-looking JPEGs. Commands: ``start`` starts the clients, ``mark`` answers how many
+  ``/encode`` calls have answered so far, ``stop`` lets each client finish its request;
+- ``send`` (the transfer rows): the ready answer names every rank's ``session_id`` and slot
+  address (so the parent can also write into them directly, the raw rows). Command
+  ``sends {"url", "req_ids", "tp"}``: the first ``tp`` ranks each send every req_id in turn,
+  as prefill ranks do; the answer is the seconds that took. Then each rank's last landing is
+  checked against the checksum its answer carried.
 
-The first line on stdin is a :class:`LoadConfig` as JSON; the child answers ``ready`` once
-its ranks and images are prepared. Answers are JSON lines on stdout.
+``exit`` closes the ranks and leaves. The first line on stdin is a :class:`LoadConfig` as
+JSON; the child answers ``ready`` once prepared. Answers are JSON lines on stdout.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import asdict, dataclass
@@ -40,6 +44,10 @@ from trio_encode.client.http import answer_of
 from trio_encode.engine.mooncake import MooncakeEngine, MooncakeSettings
 
 _JSON = {"Content-Type": "application/json"}
+KEEP_ALIVE = httpx.Limits(keepalive_expiry=2.0)
+"""Idle connections are dropped by the client before the server's keep-alive (hypercorn's 5 s)
+closes them: a server closing an idle connection just as a client reuses it fails that
+request, and the bench's phases leave connections idle for seconds."""
 IMAGES_PER_CLIENT = 8
 """Distinct images each client cycles through, so no two requests in flight repeat one."""
 
@@ -55,6 +63,10 @@ class LoadConfig:
     nice: int
     """Added to the child's niceness (the bench's ``load_nice``)."""
     seed: int = 0
+    mode: str = "encode"
+    """``encode`` (clients loop /encode then /send) or ``send`` (ranks send given req_ids)."""
+    landing_bytes: int = 0
+    """In ``send`` mode, each rank's slot: the largest embedding it will receive."""
 
 
 def natural_jpegs(count: int, side: int, seed: int = 0, quality: int = 92) -> list[bytes]:
@@ -125,6 +137,9 @@ async def _child(lines: _Lines) -> None:
     raw = json.loads(await lines.read())
     config = LoadConfig(**{**raw, "engine": MooncakeSettings(**raw["engine"])})
     os.nice(config.nice)
+    if config.mode == "send":
+        await _send_child(lines, config)
+        return
     jpegs = natural_jpegs(config.concurrency * IMAGES_PER_CLIENT, config.image_size, config.seed)
     items = [_item_json(jpeg) for jpeg in jpegs]
     per_rank = -(-config.concurrency // config.tp)
@@ -138,7 +153,9 @@ async def _child(lines: _Lines) -> None:
             pools[k % config.tp].allocate(config.bytes_per_image) for k in range(config.concurrency)
         ]
         http = [
-            await stack.enter_async_context(httpx.AsyncClient(base_url=config.url, timeout=300))
+            await stack.enter_async_context(
+                httpx.AsyncClient(base_url=config.url, timeout=300, limits=KEEP_ALIVE)
+            )
             for _ in range(config.tp)
         ]
         await lines.write(json.dumps({"ready": sum(map(len, jpegs)) / len(jpegs)}))
@@ -194,6 +211,61 @@ async def _child_round(
         stopping.set()
 
 
+async def _send_child(lines: _Lines, config: LoadConfig) -> None:
+    async with AsyncExitStack() as stack:
+        pools = []
+        for _ in range(config.tp):
+            engine = await MooncakeEngine.create(config.engine)
+            pools.append(
+                await stack.enter_async_context(LandingPool.open(engine, config.landing_bytes))
+            )
+        slots = [pool.allocate(config.landing_bytes) for pool in pools]
+        http = [
+            await stack.enter_async_context(httpx.AsyncClient(timeout=300, limits=KEEP_ALIVE))
+            for _ in pools
+        ]
+        ranks = [[pool.session_id, slot.address] for pool, slot in zip(pools, slots, strict=True)]
+        await lines.write(json.dumps({"ready": 0, "ranks": ranks}))
+        while (command := await lines.read()).startswith("sends "):
+            order = json.loads(command.removeprefix("sends "))
+            seconds = await _send_round(
+                order["url"], order["req_ids"], pools[: order["tp"]], slots, http
+            )
+            await lines.write(json.dumps({"seconds": seconds}))
+        if command != "exit":
+            raise ValueError(f"unknown command {command!r}")
+
+
+async def _send_round(
+    url: str,
+    req_ids: list[str],
+    pools: list[LandingPool],
+    slots: list[LandingSlot],
+    http: list[httpx.AsyncClient],
+) -> float:
+    """Every rank sends every req_id in turn; seconds until the last answered. Then each
+    rank's last landing is verified against its answer's checksum (outside the time)."""
+    last: list[dict[str, Any]] = [{} for _ in pools]
+
+    async def rank(index: int) -> None:
+        pool, slot = pools[index], slots[index]
+        for req_id in req_ids:
+            body = json.dumps(
+                {"req_id": req_id, "session_id": pool.session_id, "buffer_address": slot.address}
+            ).encode()
+            response = await http[index].post(url + "/send", content=body, headers=_JSON)
+            last[index] = answer_of(response)
+
+    start = time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        for index in range(len(pools)):
+            nursery.start_soon(rank, index)
+    seconds = time.perf_counter() - start
+    for slot, answer in zip(slots, last, strict=False):
+        slot.verify(int(answer["embedding_size"]), str(answer["checksum"]))
+    return seconds
+
+
 async def _child_main() -> None:
     stdin = trio.lowlevel.FdStream(os.dup(sys.stdin.fileno()))
     stdout = trio.lowlevel.FdStream(os.dup(sys.stdout.fileno()))
@@ -207,11 +279,19 @@ async def _child_main() -> None:
 class LoadProcess:
     """The parent's side of a running load process."""
 
-    def __init__(self, process: trio.Process, lines: _Lines, mean_image_bytes: float) -> None:
+    def __init__(
+        self,
+        process: trio.Process,
+        lines: _Lines,
+        mean_image_bytes: float,
+        ranks: list[tuple[str, int]],
+    ) -> None:
         self._process = process
         self._lines = lines
         self.mean_image_bytes = mean_image_bytes
-        """Mean size of the JPEGs the clients send."""
+        """Mean size of the JPEGs the clients send (``encode`` mode)."""
+        self.ranks = ranks
+        """Each rank's ``session_id`` and slot address (``send`` mode)."""
 
     async def _ask(self, command: str) -> Any:
         await self._lines.write(command)
@@ -222,6 +302,11 @@ class LoadProcess:
             raise RuntimeError(
                 f"the bench's load process exited with {self._process.returncode}"
             ) from None
+
+    async def sends(self, url: str, req_ids: list[str], tp: int) -> float:
+        """``send`` mode: seconds for the first ``tp`` ranks to each send every req_id."""
+        order = json.dumps({"url": url, "req_ids": req_ids, "tp": tp})
+        return float((await self._ask(f"sends {order}"))["seconds"])
 
     async def start(self) -> None:
         """Start the clients."""
@@ -256,7 +341,8 @@ async def open_load(config: LoadConfig) -> AsyncIterator[LoadProcess]:
             raise RuntimeError(
                 f"the bench's load process exited with {process.returncode}"
             ) from None
-        yield LoadProcess(process, lines, float(ready["ready"]))
+        ranks = [(str(session), int(address)) for session, address in ready.get("ranks", [])]
+        yield LoadProcess(process, lines, float(ready["ready"]), ranks)
         await lines.write("exit")
         with trio.fail_after(30):
             await process.wait()

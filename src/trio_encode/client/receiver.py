@@ -16,11 +16,10 @@ from dataclasses import dataclass, field
 import torch
 import trio
 
-from trio_encode.embedding import checksum_of
+from trio_encode.embedding import TORCH_DTYPES, checksum_of
 from trio_encode.engine import TransferEngine
 
 _ALIGN = 64  # cache-line aligned slots: no two slots share a line the engine writes
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class PoolExhausted(Exception):
@@ -52,13 +51,13 @@ class LandingSlot:
 
     def read(self, rows: int, dim: int, dtype: str) -> torch.Tensor:
         """A copy of the landed embedding as a ``(rows, dim)`` tensor of ``dtype``."""
-        if dtype not in _DTYPES:
+        if dtype not in TORCH_DTYPES:
             raise ValueError(f"unsupported dtype {dtype!r}")
-        item = torch.empty((), dtype=_DTYPES[dtype]).element_size()
+        item = torch.empty((), dtype=TORCH_DTYPES[dtype]).element_size()
         if rows * dim * item > self.nbytes:
             raise ValueError(f"{rows}x{dim} {dtype} does not fit in a {self.nbytes}-byte slot")
         data = self.raw()[: rows * dim * item]
-        return data.view(_DTYPES[dtype]).reshape(rows, dim).clone()
+        return data.view(TORCH_DTYPES[dtype]).reshape(rows, dim).clone()
 
     def verify(self, nbytes: int, checksum: str) -> None:
         """Check that the first ``nbytes`` bytes are those the server encoded: ``checksum``

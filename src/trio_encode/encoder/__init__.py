@@ -5,7 +5,7 @@ tools that save or load weights.
 """
 
 from trio_encode.encoder.backend import VisionBackend, load_backend
-from trio_encode.encoder.batcher import EncoderInfo, ImageEncoder, ThreadRunner
+from trio_encode.encoder.batcher import EncoderInfo, ImageEncoder, ThreadRunner, arena_for
 from trio_encode.encoder.cache import CacheKey, EmbeddingCache, content_key
 from trio_encode.encoder.images import Preprocess, decode_image, load_item
 from trio_encode.encoder.observer import EncoderObserver, NullEncoderObserver
@@ -22,6 +22,7 @@ __all__ = [
     "Preprocess",
     "ThreadRunner",
     "VisionBackend",
+    "arena_for",
     "content_key",
     "decode_image",
     "load_backend",

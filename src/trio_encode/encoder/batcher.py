@@ -14,6 +14,12 @@ second request waits for the same job and gets the same row. A caller cancelled 
 images are still queued takes them out of the queue unless another request still waits for
 them (they are never encoded for nobody); one cancelled while its batch runs simply does not
 receive the result.
+
+With a registered arena (:mod:`trio_encode.arena`) each image's row is written into a segment
+of it by the forward's worker thread (the one copy), the arena is the cache, and a request
+whose every image has a segment gets an :class:`ArenaEmbedding` of them: nothing to register,
+nothing to concatenate. An image that finds no room in the arena is encoded into ordinary
+memory, and its request takes the per-request registration path (counted as a fallback).
 """
 
 from __future__ import annotations
@@ -29,7 +35,8 @@ from typing import Protocol, TypeVar
 import torch
 import trio
 
-from trio_encode.embedding import Embedding
+from trio_encode.arena import Arena, Segment
+from trio_encode.embedding import DTYPE_NAMES, TORCH_DTYPES, ArenaEmbedding, Embedding
 from trio_encode.encoder.backend import VisionBackend, load_backend
 from trio_encode.encoder.cache import CacheKey, EmbeddingCache, content_key
 from trio_encode.encoder.fetch import FetchPolicy, RemoteFetcher, is_remote
@@ -50,7 +57,9 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+ARENA_WAIT = 0.5
+"""Seconds a request waits for arena room for its new images (never past its deadline)
+before they go to ordinary memory and the request registers its own embedding."""
 
 
 class ThreadRunner(Protocol):
@@ -73,7 +82,7 @@ class EncoderInfo:
 
     @property
     def bytes_per_image(self) -> int:
-        itemsize = 2 if self.dtype in ("bfloat16", "float16") else 4
+        itemsize = torch.empty((), dtype=TORCH_DTYPES[self.dtype]).element_size()
         return self.tokens_per_image * self.hidden_size * itemsize
 
 
@@ -83,12 +92,17 @@ class _Request:
 
     results: list[torch.Tensor | None]
     remaining: int
+    segments: list[Segment | None]
+    """The arena segment behind each result, leased by this request (None: not in the arena)."""
     done: trio.Event = field(default_factory=trio.Event)
     error: RequestError | None = None
     jobs: set[_Job] = field(default_factory=set)  # what it waits on, to withdraw from
 
-    def deliver(self, index: int, row: torch.Tensor) -> None:
+    def deliver(self, index: int, row: torch.Tensor, segment: Segment | None) -> None:
         if not self.done.is_set():
+            if segment is not None:
+                segment.arena.lease(segment)
+                self.segments[index] = segment
             self.results[index] = row
             self.remaining -= 1
             if self.remaining == 0:
@@ -117,10 +131,18 @@ class _Job:
     enqueued_at: float
     waiters: list[tuple[_Request, int]] = field(default_factory=list)  # (request, its index)
     queued: bool = True
+    segment: Segment | None = None
+    """The arena segment reserved for its row (the job holds one lease until it delivers)."""
 
-    def deliver(self, row: torch.Tensor) -> None:
+    def drop_segment(self) -> None:
+        """Give the reserved segment back (the job will not run, or has delivered)."""
+        segment, self.segment = self.segment, None
+        if segment is not None:
+            segment.arena.release(segment)
+
+    def deliver(self, row: torch.Tensor, segment: Segment | None) -> None:
         for request, index in self.waiters:
-            request.deliver(index, row)
+            request.deliver(index, row, segment)
 
     def fail(self, error: RequestError) -> None:
         for request, _ in self.waiters:
@@ -139,13 +161,18 @@ class ImageEncoder:
         run_decode: ThreadRunner | None = None,
         run_forward: ThreadRunner | None = None,
         store: EmbeddingStore | None = None,
+        arena: Arena | None = None,
     ) -> None:
         self.backend = backend
         self.store = store
         self.settings = settings if settings is not None else EncoderSettings()
         self.observer: EncoderObserver = observer or NullEncoderObserver()
+        self._arena = arena
+        # With an arena, the arena is the cache (``cache_bytes`` bounds what it keeps).
         self._cache = (
-            EmbeddingCache(self.settings.cache_bytes) if self.settings.cache_bytes > 0 else None
+            EmbeddingCache(self.settings.cache_bytes)
+            if self.settings.cache_bytes > 0 and arena is None
+            else None
         )
         # Decoding gets its own small thread pool so a burst of big images cannot take every
         # core from the forward pass.
@@ -177,7 +204,7 @@ class ImageEncoder:
             model_id=backend.model_id,
             tokens_per_image=backend.tokens_per_image,
             hidden_size=backend.hidden_size,
-            dtype=_DTYPE_NAMES[backend.dtype],
+            dtype=DTYPE_NAMES[backend.dtype],
             image_size=backend.preprocess.image_size,
             max_batch_size=self.settings.max_batch_size,
         )
@@ -189,9 +216,16 @@ class ImageEncoder:
         *,
         observer: EncoderObserver | None = None,
         store: EmbeddingStore | None = None,
+        arena: Arena | None = None,
     ) -> ImageEncoder:
-        """Load the model the settings name. Blocking: call before serving or in a thread."""
-        return cls(load_backend(settings), settings, observer=observer, store=store)
+        """Load the model the settings name. Blocking: call before serving or in a thread.
+
+        ``arena``: the one to write embeddings into; by default :func:`arena_for` makes it
+        from the settings (none when ``arena_bytes`` is 0). A server that loads the model
+        behind a listening port makes it first, so that it is registered at start.
+        """
+        arena = arena if arena is not None else arena_for(settings)
+        return cls(load_backend(settings), settings, observer=observer, store=store, arena=arena)
 
     @property
     def ready(self) -> bool:
@@ -201,6 +235,11 @@ class ImageEncoder:
     @property
     def cache(self) -> EmbeddingCache | None:
         return self._cache
+
+    @property
+    def arena(self) -> Arena | None:
+        """Where embeddings are written (and cached); None: ordinary memory."""
+        return self._arena
 
     @property
     def queued_images(self) -> int:
@@ -243,7 +282,7 @@ class ImageEncoder:
                 raise InvalidInput(f"mm_items[{index}]: {exc.message}") from None
         return loaded
 
-    async def encode(self, items: Sequence[bytes]) -> Embedding:
+    async def encode(self, items: Sequence[bytes]) -> Embedding | ArenaEmbedding:
         """The embedding of a request's images: ``(images * tokens, hidden)`` rows in order.
 
         Raises :class:`InvalidInput` (an image cannot be decoded), :class:`Overloaded` (the
@@ -262,18 +301,87 @@ class ImageEncoder:
         model_id = self.backend.model_id
         keys = await self._run_decode(lambda: [content_key(model_id, data) for data in items])
         results: list[torch.Tensor | None] = [None] * len(items)
-        if self._cache is not None:
-            results = [self._cache.get(key) for key in keys]
-            misses = sum(result is None for result in results)
-            self.observer.cache_looked_up(len(items) - misses, misses)
-        missing = [i for i, result in enumerate(results) if result is None]
-        if missing and self.store is not None:
-            await self._look_up_store(keys, results, missing)
+        segments: list[Segment | None] = [None] * len(items)
+        handed_over = False
+        try:
+            if self._arena is not None:
+                for index, key in enumerate(keys):
+                    segment = self._arena.lookup(key)
+                    if segment is not None:
+                        segments[index] = segment
+                        results[index] = self._row_view(segment)
+                misses = sum(result is None for result in results)
+                self.observer.cache_looked_up(len(items) - misses, misses)
+            elif self._cache is not None:
+                results = [self._cache.get(key) for key in keys]
+                misses = sum(result is None for result in results)
+                self.observer.cache_looked_up(len(items) - misses, misses)
             missing = [i for i, result in enumerate(results) if result is None]
-        if missing:
-            await self._encode_missing(items, keys, results, missing)
-        rows = [result for result in results if result is not None]
-        return await self._run_decode(partial(_assemble, rows))
+            if missing and self.store is not None:
+                await self._look_up_store(keys, results, missing)
+                if self._arena is not None:
+                    await self._keep_store_hits(keys, results, missing, segments)
+                missing = [i for i, result in enumerate(results) if result is None]
+            if missing:
+                await self._encode_missing(items, keys, results, missing, segments)
+            rows = [result for result in results if result is not None]
+            if self._arena is not None and all(segment is not None for segment in segments):
+                parts = [(seg, row) for seg, row in zip(segments, rows, strict=True) if seg]
+                embedding: Embedding | ArenaEmbedding = await self._run_decode(
+                    partial(_checksummed, ArenaEmbedding(parts))
+                )
+                handed_over = True  # its leases are the embedding's now
+                return embedding
+            if self._arena is not None:
+                self._arena.fallbacks += 1
+            return await self._run_decode(partial(_assemble, rows))
+        finally:
+            if not handed_over:
+                for segment in segments:
+                    if segment is not None:
+                        segment.arena.release(segment)
+
+    async def _keep_store_hits(
+        self,
+        keys: list[CacheKey],
+        results: list[torch.Tensor | None],
+        looked_up: list[int],
+        segments: list[Segment | None],
+    ) -> None:
+        """Copy each store hit into an arena segment kept as the local cache, so the request is
+        sent from the arena (no registration) and the next one finds it here. A store read
+        lands in memory of its own (an abandoned read may still write it), hence the copy; with
+        the arena full, the hit stays where it is and the request registers its own memory."""
+        assert self._arena is not None
+        placed: dict[CacheKey, Segment] = {}
+        for index in looked_up:
+            row, key = results[index], keys[index]
+            if row is None or segments[index] is not None:
+                continue
+            segment = placed.get(key)
+            if segment is None:
+                segment = self._arena.allocate(self.info.bytes_per_image)
+                if segment is None:
+                    continue
+                segments[index] = segment  # from here the caller's cleanup releases it
+                view = self._row_view(segment)
+                await self._run_decode(partial(view.copy_, row))
+                kept = self._arena.keep(segment, key)
+                if kept is not segment:  # another request kept this image meanwhile
+                    self._arena.lease(kept)
+                    self._arena.release(segment)
+                    segment = kept
+                placed[key] = segment
+            else:
+                self._arena.lease(segment)  # one lease per index, as lookups take
+            segments[index] = segment
+            results[index] = self._row_view(segment)
+
+    def _row_view(self, segment: Segment) -> torch.Tensor:
+        """An image's ``(tokens, hidden)`` row as a view of its segment's bytes."""
+        backend = self.backend
+        flat = torch.frombuffer(segment.buffer, dtype=torch.uint8)
+        return flat.view(backend.dtype).view(backend.tokens_per_image, backend.hidden_size)
 
     async def _look_up_store(
         self, keys: list[CacheKey], results: list[torch.Tensor | None], missing: list[int]
@@ -330,6 +438,7 @@ class ImageEncoder:
         keys: list[CacheKey],
         results: list[torch.Tensor | None],
         missing: list[int],
+        segments: list[Segment | None],
     ) -> None:
         shared = [i for i in missing if keys[i] in self._in_flight]
         own = [i for i in missing if keys[i] not in self._in_flight]
@@ -343,19 +452,24 @@ class ImageEncoder:
                 f"the encoder queue is full ({self.queued_images} of "
                 f"{self.settings.queue_size} images waiting); retry later"
             )
-        request = _Request(results, remaining=len(missing))
+        request = _Request(results, remaining=len(missing), segments=segments)
         try:
             # Join before decoding, so a shared job that finishes meanwhile still delivers.
             for index in shared:
                 self._wait_for(self._in_flight[keys[index]], request, index)
             if to_decode:
                 pixels = await self._decode_reserved(items, list(to_decode.values()))
-                # A caller cancelled while its decode thread ran learns that first; only a
-                # caller still wanted hears that the encoder stopped meanwhile.
-                await trio.lowlevel.checkpoint_if_cancelled()
-                if not self._running:
-                    raise self._not_running()
-                self._queue_jobs(request, keys, own, dict(zip(to_decode, pixels, strict=True)))
+                room = await self._reserve_segments(len(to_decode))
+                try:
+                    # A caller cancelled while its decode thread ran learns that first; only a
+                    # caller still wanted hears that the encoder stopped meanwhile.
+                    await trio.lowlevel.checkpoint_if_cancelled()
+                    if not self._running:
+                        raise self._not_running()
+                    pixels_by_key = dict(zip(to_decode, pixels, strict=True))
+                    self._queue_jobs(request, keys, own, pixels_by_key, room)
+                finally:
+                    self._release_all(list(room))  # what no new job took
             await request.done.wait()
         finally:
             self._withdraw(request)
@@ -378,14 +492,16 @@ class ImageEncoder:
         keys: list[CacheKey],
         indices: list[int],
         pixels: dict[CacheKey, torch.Tensor],
+        room: list[Segment],
     ) -> None:
         """Wait for each image's job, queueing one only where no request queued it meanwhile
-        (while this one decoded)."""
+        (while this one decoded). A new job takes a segment from ``room`` if any is left."""
         now = trio.current_time()
         for index in indices:
             job = self._in_flight.get(keys[index])
             if job is None:
                 job = _Job(keys[index], pixels[keys[index]], now)
+                job.segment = room.pop() if room else None
                 self._in_flight[job.key] = job
                 self._queue.append(job)
                 self._changed.set()
@@ -404,6 +520,7 @@ class ImageEncoder:
             if job.queued and not job.waiters:
                 self._queue.remove(job)
                 job.queued = False
+                job.drop_segment()
                 self._forget(job)
         request.jobs.clear()
 
@@ -467,6 +584,7 @@ class ImageEncoder:
             while self._queue:
                 job = self._queue.popleft()
                 job.queued = False
+                job.drop_segment()
                 self._forget(job)
                 job.fail(ShuttingDown("the encoder stopped before this request ran"))
 
@@ -496,9 +614,11 @@ class ImageEncoder:
 
     async def _process(self, batch: list[_Job]) -> None:
         pixels = [job.pixels for job in batch]
+        targets = self._allocate_segments(batch)
         try:
-            rows, seconds = await self._run_forward(partial(self._forward, pixels))
+            rows, seconds = await self._run_forward(partial(self._forward, pixels, targets))
         except Exception as exc:
+            self._release_all(targets)
             self.observer.batch_finished(len(batch), 0.0, ok=False)
             log.exception("vision encoder failed on a batch of %d images", len(batch))
             for job in batch:
@@ -511,23 +631,69 @@ class ImageEncoder:
                 )
             return
         except BaseException:
+            self._release_all(targets)
             for job in batch:
                 self._forget(job)
                 job.fail(ShuttingDown("the encoder stopped while this request ran"))
             raise
         self.observer.batch_finished(len(batch), seconds, ok=True)
-        for job, row in zip(batch, rows, strict=True):
+        for job, row, segment in zip(batch, rows, targets, strict=True):
             self._forget(job)
             if self._cache is not None:
                 self._cache.put(job.key, row)
             if self.store is not None:
                 self.store.put(store_key(self.backend.fingerprint, job.key), row)
-            job.deliver(row)
+            if segment is not None:
+                segment.arena.keep(segment, job.key)
+            job.deliver(row, segment)
+        self._release_all(targets)  # the forward's own leases; the waiters hold theirs
         if self._cache is not None:
             self.observer.cache_size(self._cache.nbytes, len(self._cache))
+        elif self._arena is not None:
+            self.observer.cache_size(self._arena.cached_bytes, len(self._arena))
 
-    def _forward(self, pixels: list[torch.Tensor]) -> tuple[list[torch.Tensor], float]:
-        """In the worker thread: one forward pass, split into one tensor per image."""
+    async def _reserve_segments(self, count: int) -> list[Segment]:
+        """Up to ``count`` segments for a request's new images, waiting for room while the
+        arena is full, for at most :data:`ARENA_WAIT` and never past the caller's deadline
+        (the request scope's backstop). Fewer when time runs out: those images go to ordinary
+        memory and the request registers its own (a fallback)."""
+        if self._arena is None or self.info.bytes_per_image > self._arena.nbytes:
+            return []  # no arena, or one that can never hold an image: nothing to wait for
+        deadline = min(trio.current_effective_deadline(), trio.current_time() + ARENA_WAIT)
+        room: list[Segment] = []
+        try:
+            for _ in range(count):
+                segment = await self._arena.allocate_by(self.info.bytes_per_image, deadline)
+                if segment is None:
+                    break
+                room.append(segment)
+        except BaseException:
+            self._release_all(list(room))
+            raise
+        return room
+
+    def _allocate_segments(self, batch: list[_Job]) -> list[Segment | None]:
+        """A segment for each image of a batch, leased by the forward until it delivers: the
+        one its job reserved, else one free now; None where there is none (ordinary memory)."""
+        targets: list[Segment | None] = []
+        for job in batch:
+            segment, job.segment = job.segment, None
+            if segment is None and self._arena is not None:
+                segment = self._arena.allocate(self.info.bytes_per_image)
+            targets.append(segment)
+        return targets
+
+    @staticmethod
+    def _release_all(segments: list[Segment | None]) -> None:
+        for segment in segments:
+            if segment is not None:
+                segment.arena.release(segment)
+
+    def _forward(
+        self, pixels: list[torch.Tensor], targets: Sequence[Segment | None] = ()
+    ) -> tuple[list[torch.Tensor], float]:
+        """In the worker thread: one forward pass, split into one tensor per image; an image
+        with a target segment is copied into it (its row is then a view of the segment)."""
         start = time.perf_counter()
         backend = self.backend
         with torch.inference_mode():
@@ -541,7 +707,14 @@ class ImageEncoder:
             out = out.contiguous()
             # With a cache each image gets its own memory, so the cache's byte bound is exact
             # and evicting an entry frees it; without one, rows are views into the batch.
-            rows = [row.clone() for row in out] if self._cache is not None else list(out)
+            own = self._cache is not None or self._arena is not None
+            rows = []
+            for index, row in enumerate(out):
+                segment = targets[index] if targets else None
+                if segment is not None:
+                    rows.append(self._row_view(segment).copy_(row))
+                else:
+                    rows.append(row.clone() if own else row)
         return rows, time.perf_counter() - start
 
     async def _decode_in_thread(self, fn: Callable[[], T]) -> T:
@@ -549,6 +722,12 @@ class ImageEncoder:
 
     async def _forward_in_thread(self, fn: Callable[[], T]) -> T:
         return await trio.to_thread.run_sync(fn, limiter=self._forward_limiter)
+
+
+def _checksummed(embedding: ArenaEmbedding) -> ArenaEmbedding:
+    """In a worker thread: compute the checksum (it reads every byte)."""
+    embedding.checksum  # noqa: B018 - computed here, remembered by the embedding
+    return embedding
 
 
 def _assemble(rows: list[torch.Tensor]) -> Embedding:
@@ -561,3 +740,11 @@ def _assemble(rows: list[torch.Tensor]) -> Embedding:
             embedding = Embedding(torch.cat(rows, dim=0))
     embedding.checksum  # noqa: B018 - computed here, remembered by the embedding
     return embedding
+
+
+def arena_for(settings: EncoderSettings) -> Arena | None:
+    """The arena of ``settings.arena_bytes`` (None when 0), bounded as the cache by
+    ``settings.cache_bytes``."""
+    if settings.arena_bytes <= 0:
+        return None
+    return Arena(settings.arena_bytes, cache_bytes=settings.cache_bytes)

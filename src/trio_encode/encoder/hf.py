@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from PIL import Image
 
+from trio_encode.embedding import TORCH_DTYPES
 from trio_encode.encoder.fingerprint import model_fingerprint, weights_digest
 from trio_encode.encoder.images import Preprocess
-from trio_encode.encoder.model import TORCH_DTYPES
 from trio_encode.encoder.settings import EncoderSettings
 
 log = logging.getLogger(__name__)

@@ -20,13 +20,13 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from trio_encode.embedding import TORCH_DTYPES
 from trio_encode.encoder.fingerprint import model_fingerprint, weights_digest
 from trio_encode.encoder.images import Preprocess
 from trio_encode.encoder.settings import EncoderSettings
 
 log = logging.getLogger(__name__)
 
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _INIT_STD = 0.02
 
 

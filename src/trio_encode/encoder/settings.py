@@ -168,7 +168,17 @@ class EncoderSettings:
         256 * MiB,
         group="cache",
         ge=0,
-        help="Embeddings kept for repeated images (keyed by content); 0 disables the cache.",
+        help="Embeddings kept for repeated images (keyed by content); 0 disables the cache. "
+        "With an arena, the cache lives in it and this bounds the bytes it may keep.",
+    )
+    arena_bytes: ByteSize = setting(
+        512 * MiB,
+        group="cache",
+        ge=0,
+        help="The registered arena embeddings are written into, registered once for the "
+        "process's life so sends register nothing; 0 turns it off (each request registers its "
+        "own embedding). Pages are touched only as segments are written; over RDMA the whole "
+        "arena is pinned.",
     )
 
     # The cluster-wide second level (Mooncake Store).

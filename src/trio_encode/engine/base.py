@@ -8,6 +8,7 @@ can ignore a failure the way SGLang's encode server once ignored ``transfer_sync
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal, Protocol, runtime_checkable
 
 # Mooncake's return codes that the rules below depend on (mooncake/transfer_engine error.h).
@@ -119,4 +120,12 @@ class TransferEngine(Protocol):
     ) -> None:
         """Write ``length`` bytes from local memory into ``session_id``'s memory; returns when
         the bytes have landed."""
+        ...
+
+    async def transfer_segments(
+        self, session_id: str, segments: Sequence[tuple[int, int]], remote_address: int
+    ) -> None:
+        """Write ``segments`` (local address, length) back to back into ``session_id``'s
+        memory from ``remote_address`` on, as one call: every segment is in flight at once,
+        and the call returns (or raises) only when none is still reading local memory."""
         ...

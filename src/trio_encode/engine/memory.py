@@ -26,7 +26,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Literal
@@ -39,6 +39,7 @@ from trio_encode.engine.base import (
     TRANSFER_FAILED,
     EngineError,
 )
+from trio_encode.engine.costs import CostModel
 from trio_encode.engine.threads import EngineThreads, ThreadSettings
 
 CallKind = Literal["register", "deregister", "transfer"]
@@ -259,6 +260,7 @@ class InMemoryEngine:
             "transfer": _Script(transfer_latency),
         }
         self._in_flight_transfers: list[_InFlightTransfer] = []
+        self._link: trio.Lock | None = None
         self._seq = itertools.count()
         self.history: list[CallRecord] = []
         """Every call that started, in start order."""
@@ -289,8 +291,10 @@ class InMemoryEngine:
         worst case for a transfer still using it); -3 if none starts there."""
         await trio.lowlevel.checkpoint_if_cancelled()
         async with self._scripted("deregister") as failure, _thread(self.threads.control):
+            live = self._registrations.get(address)
+            length = live.length if live is not None else None
             call, scripted = self._begin(
-                "deregister", self.session_id, address, None, None, failure
+                "deregister", self.session_id, address, length, None, failure
             )
             code = scripted if scripted is not None else self._do_deregister(address)
             await self._run_shielded(call)
@@ -331,6 +335,25 @@ class InMemoryEngine:
                 code = self._complete_transfer(flight, local_address, remote_address, length)
         self._finish(call, code)
 
+    async def transfer_segments(
+        self, session_id: str, segments: Sequence[tuple[int, int]], remote_address: int
+    ) -> None:
+        """One transfer call per segment, back to back in ``remote_address``. Once the first
+        has started the rest run too, whatever happens to the caller (Mooncake has them all
+        submitted); the first failure is raised after the last has ended."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        failure: EngineError | None = None
+        offset = 0
+        with trio.CancelScope(shield=True):
+            for address, length in segments:
+                try:
+                    await self.transfer(session_id, address, remote_address + offset, length)
+                except EngineError as exc:
+                    failure = failure or exc
+                offset += length
+        if failure is not None:
+            raise failure
+
     # -- scripting -----------------------------------------------------------------------------
 
     def script_latency(
@@ -347,6 +370,14 @@ class InMemoryEngine:
             script.latency_fn = latencies
         else:
             script.latencies.extend(latencies)
+
+    def apply_costs(self, model: CostModel) -> None:
+        """Give every call the virtual latency ``model`` says, and make this engine's
+        transfers queue for one link (so concurrent sends share its bandwidth)."""
+        self.script_latency("register", lambda call: model.register.seconds(call.length or 0))
+        self.script_latency("deregister", lambda call: model.deregister.seconds(call.length or 0))
+        self.script_latency("transfer", lambda call: model.transfer.seconds(call.length or 0))
+        self._link = trio.Lock()
 
     def fail_next(self, kind: CallKind, code: int = TRANSFER_FAILED, *, times: int = 1) -> None:
         """Make the next ``times`` calls of ``kind`` return ``code`` without effect, after
@@ -435,7 +466,11 @@ class InMemoryEngine:
         with trio.CancelScope(shield=True):
             if script.gate is not None and not script.gate.is_open:
                 await script.gate._pass(call)
-            await trio.sleep(script.next_latency(call))
+            if call.kind == "transfer" and self._link is not None:
+                async with self._link:
+                    await trio.sleep(script.next_latency(call))
+            else:
+                await trio.sleep(script.next_latency(call))
 
     async def _peer_answers(self, session_id: str) -> bool:
         """False if the peer is frozen and stays so past the transfer timeout (shielded)."""

@@ -5,6 +5,15 @@ abandoned (``abandon_on_cancel=False``, Trio's default, spelled out at each call
 cannot be stopped, and a caller that walked away from a running transfer could free or
 deregister memory the thread is still reading. A cancelled caller therefore waits for its call
 to finish, and sees the cancellation at its next checkpoint.
+
+Transfers do not use the binding's ``transfer_sync_write`` (nor ``batch_transfer_sync_write``):
+both wait for completion by calling ``getTransferStatus`` in a loop with no pause, so every
+transfer in flight keeps a core busy doing nothing. With several ranks' sends in flight those
+spinning threads take the cores from the threads that move the bytes (Mooncake's TCP workers,
+and on a shared host the receivers), and the longer the transfers, the longer they spin. So a
+transfer is submitted (``transfer_submit_write``) and its status polled with pauses that grow
+with the time already waited (:func:`wait_until_done`): at most about 1/8 more latency, and a
+thread that sleeps instead of spinning.
 """
 
 from __future__ import annotations
@@ -12,6 +21,9 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import time
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Annotated, Any
 
 import trio
@@ -19,7 +31,7 @@ from pydantic import AfterValidator, ConfigDict
 from pydantic.dataclasses import dataclass
 
 from trio_encode.declare import setting
-from trio_encode.engine.base import EngineError
+from trio_encode.engine.base import TRANSFER_FAILED, EngineError
 from trio_encode.engine.threads import EngineThreads, ThreadSettings
 
 _INSTALL_HINT = (
@@ -28,6 +40,92 @@ _INSTALL_HINT = (
     "it also needs the system library libibverbs.so.1, even for TCP "
     "(Debian/Ubuntu: `apt-get install -y libibverbs1`)."
 )
+
+
+_FIRST_POLL = 20e-6
+"""Seconds before the first status check after a submission."""
+_MAX_POLL = 1e-3
+"""Longest pause between two status checks: bounds the latency added to a long transfer."""
+
+
+def transfer_timeout(length: int) -> float:
+    """Seconds a transfer of ``length`` bytes may take before it counts as failed: Mooncake's
+    own rule (``MC_TRANSFER_TIMEOUT`` seconds, default 30 and at least 5, plus 1 ns a byte)."""
+    configured = os.environ.get("MC_TRANSFER_TIMEOUT")
+    seconds = max(5, int(configured)) if configured else 30
+    return seconds + length * 1e-9
+
+
+def wait_until_done(
+    checks: Sequence[Callable[[], int]],
+    timeout: float,
+    *,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> int:
+    """In a worker thread: wait for submitted transfers; 0 once all completed, else the first
+    failure's code (-1 for a timeout).
+
+    Each check returns Mooncake's ``transfer_check_status`` answer: 1 done, 0 running, < 0
+    failed. Checks that failed or completed are not asked again; the pause between rounds is
+    an eighth of the time waited so far (between ``_FIRST_POLL`` and ``_MAX_POLL``). Returns
+    only when every transfer has ended or the timeout passed, so no submitted transfer is still
+    reading memory that the caller goes on to release (a timed-out one is Mooncake's own
+    failure, as with its synchronous calls).
+    """
+    pending = list(checks)
+    code = 0
+    start = clock()
+    pause = _FIRST_POLL
+    while True:
+        still = []
+        for check in pending:
+            status = check()
+            if status == 0:
+                still.append(check)
+            elif status < 0 and code == 0:
+                code = status
+        pending = still
+        if not pending:
+            return code
+        waited = clock() - start
+        if waited > timeout:
+            return code or TRANSFER_FAILED
+        sleep(pause)
+        pause = min(_MAX_POLL, max(_FIRST_POLL, waited / 8))
+
+
+def _submitted(batch_id: int) -> bool:
+    """Whether ``transfer_submit_write`` accepted the transfer (it answers 0 or -1 when the
+    peer cannot be reached or the request is refused, else an opaque batch id)."""
+    return 0 < batch_id < 1 << 63
+
+
+def _check_status(raw: Any, batch_id: int) -> int:
+    return int(raw.transfer_check_status(batch_id))
+
+
+def write_segments(
+    raw: Any, session_id: str, segments: Sequence[tuple[int, int]], remote_address: int
+) -> int:
+    """In a worker thread: write ``segments`` (local address, length) one after another into
+    ``remote_address`` onwards; 0, or the first failure's code. Every segment is submitted
+    before any is waited for, so they travel together."""
+    checks: list[Callable[[], int]] = []
+    code = 0
+    offset = 0
+    for address, length in segments:
+        batch_id = int(
+            raw.transfer_submit_write(session_id, address, remote_address + offset, length)
+        )
+        offset += length
+        if not _submitted(batch_id):
+            code = TRANSFER_FAILED
+            break
+        checks.append(partial(_check_status, raw, batch_id))
+    # Wait for what was submitted even after a failure: it may still be reading our memory.
+    waited = wait_until_done(checks, transfer_timeout(offset))
+    return code or waited
 
 
 def _load_mooncake_engine_class(log_level: str) -> Any:
@@ -201,15 +299,24 @@ class MooncakeEngine:
         self, session_id: str, local_address: int, remote_address: int, length: int
     ) -> None:
         """Write ``length`` bytes into ``session_id``'s registered memory and wait until they
-        have landed (``transfer_sync_write``). Waits for a thread of the transfer pool and a
-        slot of ``session_id``'s own bound first (see :mod:`trio_encode.engine.threads`)."""
+        have landed."""
+        await self.transfer_segments(session_id, [(local_address, length)], remote_address)
+
+    async def transfer_segments(
+        self, session_id: str, segments: Sequence[tuple[int, int]], remote_address: int
+    ) -> None:
+        """Write ``segments`` (local address, length), in order and back to back, into
+        ``session_id``'s registered memory from ``remote_address`` on, and wait until every
+        byte has landed. All are submitted before any is awaited, so a multi-image
+        embedding needs no concatenation. Waits for a thread of the transfer pool and a slot
+        of ``session_id``'s own bound first (see :mod:`trio_encode.engine.threads`)."""
         async with self.threads.session_slot(session_id):
             code = await trio.to_thread.run_sync(
-                self._raw.transfer_sync_write,
+                write_segments,
+                self._raw,
                 session_id,
-                local_address,
+                list(segments),
                 remote_address,
-                length,
                 abandon_on_cancel=False,
                 limiter=self.threads.transfers,
             )
@@ -217,9 +324,10 @@ class MooncakeEngine:
             raise EngineError(
                 "transfer",
                 int(code),
-                address=local_address,
+                address=segments[0][0] if segments else None,
                 remote_address=remote_address,
-                length=length,
+                length=sum(length for _, length in segments),
                 session_id=session_id,
-                detail=f"from {self.session_id}",
+                detail=f"from {self.session_id}"
+                + (f", {len(segments)} segments" if len(segments) > 1 else ""),
             )

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 
 import trio
 
+from trio_encode.arena import Arena
 from trio_encode.errors import NotReady
 from trio_encode.request_types import EmbeddingMemory
 from trio_encode.server.metrics import QueueDepth
@@ -28,10 +29,17 @@ class LoadingEncoder:
     server that cannot listen then exits without a loader thread to wait for.
     """
 
-    def __init__(self, load: Callable[[], Encoder]) -> None:
+    def __init__(self, load: Callable[[], Encoder], *, arena: Arena | None = None) -> None:
         self._load = load
+        self._arena = arena
         self._encoder: Encoder | None = None
         self._may_load = trio.Event()
+
+    @property
+    def arena(self) -> Arena | None:
+        """The arena the loaded encoder will write into: made before loading, so the service
+        registers it at start, like any other."""
+        return self._arena
 
     def start_loading(self) -> None:
         """Let :meth:`run` load the model (it waits for this)."""

@@ -30,7 +30,10 @@ from prometheus_client import (
     generate_latest,
 )
 
+from trio_encode.observer import RegistrationCall
+
 if TYPE_CHECKING:
+    from trio_encode.arena import Arena
     from trio_encode.request_types import EmbeddingMemory
     from trio_encode.service import Encoder, EncodeService
 
@@ -75,6 +78,10 @@ class QueueDepth(Protocol):
 
     @property
     def queued_images(self) -> int: ...
+
+
+# Registering CPU memory over TCP takes microseconds; pinning MBs for RDMA, milliseconds.
+_REGISTER_BUCKETS = (1e-6, 1e-5, 1e-4, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.25, 1)
 
 
 class Metrics:
@@ -150,6 +157,37 @@ class Metrics:
         )
         self.deregistrations = Counter(
             PREFIX + "deregistrations", "Memory registrations released.", registry=r
+        )
+        self.register_seconds = Histogram(
+            PREFIX + "register_seconds",
+            "One memory registration (pinning, on RDMA).",
+            buckets=_REGISTER_BUCKETS,
+            registry=r,
+        )
+        self.deregister_seconds = Histogram(
+            PREFIX + "deregister_seconds",
+            "One memory deregistration.",
+            buckets=_REGISTER_BUCKETS,
+            registry=r,
+        )
+        self.arena_bytes = Gauge(
+            PREFIX + "arena_bytes", "Size of the registered arena (0: none).", registry=r
+        )
+        self.arena_leased_bytes = Gauge(
+            PREFIX + "arena_leased_bytes",
+            "Arena bytes held by requests and forwards now.",
+            registry=r,
+        )
+        self.arena_cached_bytes = Gauge(
+            PREFIX + "arena_cached_bytes",
+            "Arena bytes kept as the embedding cache (leased or not).",
+            registry=r,
+        )
+        self.arena_fallbacks = Gauge(
+            PREFIX + "arena_fallbacks",
+            "Requests whose embedding did not fit in the arena and was registered on its own "
+            "(a count since start).",
+            registry=r,
         )
         self.backstop_expiries = Counter(
             PREFIX + "backstop_expiries", "Scopes ended by their deadline.", registry=r
@@ -237,6 +275,12 @@ class Metrics:
         """Read the live gauges from ``service`` itself from now on."""
         self.live_scopes.set_function(lambda: len(service.registry))
         self.live_registrations.set_function(lambda: service.ledger.live_registrations)
+        arena = service.encoder.arena
+        if arena is not None:
+            self.arena_bytes.set(arena.nbytes)
+            self.arena_leased_bytes.set_function(lambda: arena.leased_bytes)
+            self.arena_cached_bytes.set_function(lambda: arena.cached_bytes)
+            self.arena_fallbacks.set_function(lambda: arena.fallbacks)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
@@ -270,6 +314,10 @@ class Metrics:
     def deregistered(self, address: int) -> None:
         self._held_registrations -= 1
         self.deregistrations.inc()
+
+    def registration_timed(self, call: RegistrationCall, seconds: float) -> None:
+        histogram = self.register_seconds if call == "register" else self.deregister_seconds
+        histogram.observe(seconds)
 
     def transfer_finished(self, req_id: str, nbytes: int, seconds: float) -> None:
         self.transfer_bytes.inc(nbytes)
@@ -332,6 +380,10 @@ class _TimedEncoder:
     @property
     def ready(self) -> bool:
         return self._encoder.ready
+
+    @property
+    def arena(self) -> Arena | None:
+        return self._encoder.arena
 
     async def load_items(self, items: Sequence[str]) -> list[bytes]:
         return await self._encoder.load_items(items)

@@ -173,7 +173,7 @@ async def run_server(settings: ServerSettings) -> ShutdownReport:
     """What ``trio-encode serve`` runs: a Mooncake engine, the server listening at once, the
     image encoder loading behind it (``/readyz`` is 503 until it is loaded), stopped gracefully
     by SIGINT or SIGTERM."""
-    from trio_encode.encoder import ImageEncoder
+    from trio_encode.encoder import ImageEncoder, arena_for
     from trio_encode.engine.mooncake import MooncakeEngine
 
     engine = await MooncakeEngine.create(settings.engine)
@@ -191,12 +191,16 @@ async def run_server(settings: ServerSettings) -> ShutdownReport:
             observer=metrics,
         )
 
+    arena = arena_for(settings.encoder)
+
     def load() -> Encoder:
-        encoder = ImageEncoder.from_settings(settings.encoder, observer=metrics, store=store)
+        encoder = ImageEncoder.from_settings(
+            settings.encoder, observer=metrics, store=store, arena=arena
+        )
         log.info("encoder loaded: %s", encoder.info.model_id)
         return encoder
 
-    encoder = LoadingEncoder(load)
+    encoder = LoadingEncoder(load, arena=arena)
     async with trio.open_nursery() as nursery:
         running: RunningServer = await nursery.start(
             partial(

@@ -32,6 +32,7 @@ import trio
 import trio.testing
 from trio._core import _run as _trio_run
 
+from trio_encode.arena import Arena
 from trio_encode.engine import TRANSFER_FAILED, EngineError
 from trio_encode.engine.memory import (
     CALL_KINDS,
@@ -292,6 +293,10 @@ class _ThreadLikeEncoder:
     def ready(self) -> bool:
         return self._inner.ready
 
+    @property
+    def arena(self) -> Arena | None:
+        return self._inner.arena
+
     async def load_items(self, items: Sequence[str]) -> list[bytes]:
         task = trio.lowlevel.current_task()
         await trio.lowlevel.checkpoint_if_cancelled()
@@ -371,6 +376,15 @@ class _RecordingEngine:
         if await self._maybe_fail("transfer"):
             self.failed_transfers[receiver] += 1
         await self.engine.transfer(session_id, local_address, remote_address, length)
+        self._log.append(("wrote", receiver))
+
+    async def transfer_segments(
+        self, session_id: str, segments: Sequence[tuple[int, int]], remote_address: int
+    ) -> None:
+        receiver = Receiver(session_id, remote_address)
+        if await self._maybe_fail("transfer"):
+            self.failed_transfers[receiver] += 1
+        await self.engine.transfer_segments(session_id, segments, remote_address)
         self._log.append(("wrote", receiver))
 
 

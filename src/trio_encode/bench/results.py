@@ -1,0 +1,185 @@
+"""What ``trio-encode bench`` found: the rows, their ratios, the table and the JSON."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from trio_encode.bench.settings import ENCODER_TARGET
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q`` quantile (0..1) of ``values`` by the nearest-rank rule; 0 for no values."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)] if ordered else 0.0
+
+
+def size_text(nbytes: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+@dataclass(frozen=True)
+class Rate:
+    """Bytes moved in seconds, pooled over the rounds."""
+
+    nbytes: int
+    seconds: float
+
+    @property
+    def per_second(self) -> float:
+        return self.nbytes / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class TransferRow:
+    """One embedding size at one TP: the same sends raw, served and through the peer."""
+
+    nbytes: int
+    """Bytes of one transfer (one req_id's embedding)."""
+    tp: int
+    arena: bool
+    raw: Rate
+    served: Rate
+    peer: Rate | None
+    registrations_per_request: float
+    """From the server's ``/metrics`` over the served phases."""
+
+    @property
+    def served_over_raw(self) -> float:
+        return self.served.per_second / self.raw.per_second
+
+    @property
+    def served_over_peer(self) -> float | None:
+        if self.peer is None or self.peer.per_second == 0:
+            return None
+        return self.served.per_second / self.peer.per_second
+
+
+@dataclass(frozen=True)
+class EncoderRow:
+    batch_size: int
+    concurrency: int
+    raw_images: int
+    raw_seconds: float
+    served_images: int
+    served_seconds: float
+    served_batches: int
+    served_forward_seconds: float
+    """Time the forward pass ran during the served windows (from the batcher's observer)."""
+    served_images_in_batches: int
+    raw_spread: tuple[float, float]
+    """Slowest and fastest raw images/s of the rounds (their gap shows the noise)."""
+    served_spread: tuple[float, float]
+    mean_image_bytes: float
+
+    @property
+    def raw_rate(self) -> float:
+        return self.raw_images / self.raw_seconds
+
+    @property
+    def served_rate(self) -> float:
+        return self.served_images / self.served_seconds
+
+    @property
+    def ratio(self) -> float:
+        return self.served_rate / self.raw_rate
+
+    @property
+    def mean_batch(self) -> float:
+        return self.served_images_in_batches / max(1, self.served_batches)
+
+    @property
+    def forward_busy(self) -> float:
+        """Share of the served time the model ran (batches straddling a window's edges count
+        whole, so it can read a little over 1)."""
+        return self.served_forward_seconds / self.served_seconds
+
+    @property
+    def served_forward_rate(self) -> float:
+        return self.served_images_in_batches / max(1e-9, self.served_forward_seconds)
+
+
+@dataclass(frozen=True)
+class ProbeRow:
+    interval: float
+    probes: int
+    ok: int
+    p99_seconds: float
+    max_seconds: float
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    model_id: str
+    rounds: int
+    torch_threads: int
+    transfers: list[TransferRow]
+    encoder: EncoderRow | None
+    health: ProbeRow | None
+    peak_rss_bytes: int
+    registrations_left: int
+    """Registrations the servers held at the end beyond their arenas (0 unless a leak)."""
+    scopes_left: int
+    seconds: float
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        for row, out in zip(self.transfers, data["transfers"], strict=True):
+            out["served_over_raw"] = row.served_over_raw
+            out["served_over_peer"] = row.served_over_peer
+        if self.encoder is not None:
+            data["encoder"]["ratio"] = self.encoder.ratio
+            data["encoder"]["mean_batch"] = self.encoder.mean_batch
+        return data
+
+    def table(self) -> str:
+        lines = [
+            f"trio-encode bench: {self.rounds} alternating rounds, {self.seconds:.0f} s in all; "
+            f"torch threads {self.torch_threads}",
+            "",
+            "/send: every rank sends every req_id in turn; ranks and clients in a separate "
+            "process; the peer is an asyncio (FastAPI/uvicorn) model of the seed's fixed path",
+            f"{'embedding':>10}{'TP':>4}{'arena':>7}{'raw':>12}{'served':>12}{'peer':>12}"
+            f"{'served/raw':>12}{'served/peer':>13}{'reg/req':>9}",
+        ]
+        for row in self.transfers:
+            peer = f"{size_text(row.peer.per_second)}/s" if row.peer is not None else "-"
+            over_peer = row.served_over_peer
+            lines.append(
+                f"{size_text(row.nbytes):>10}{row.tp:>4}{'on' if row.arena else 'off':>7}"
+                f"{size_text(row.raw.per_second) + '/s':>12}"
+                f"{size_text(row.served.per_second) + '/s':>12}{peer:>12}"
+                f"{row.served_over_raw:>12.2f}"
+                f"{'-' if over_peer is None else f'{over_peer:.2f}':>13}"
+                f"{row.registrations_per_request:>9.2f}"
+            )
+        e, h = self.encoder, self.health
+        if e is not None:
+            verdict = "meets" if e.ratio >= ENCODER_TARGET else "below"
+            lines += [
+                "",
+                f"encoder {self.model_id}, B={e.batch_size}, {e.concurrency} clients: "
+                f"raw {e.raw_rate:.1f} img/s, served {e.served_rate:.1f} img/s, "
+                f"ratio {e.ratio:.2f} ({verdict} {ENCODER_TARGET})",
+                f"  served: mean batch {e.mean_batch:.2f}, forward busy {e.forward_busy:.0%}, "
+                f"forward alone {e.served_forward_rate:.1f} img/s; rounds raw "
+                f"{e.raw_spread[0]:.1f}..{e.raw_spread[1]:.1f}, served "
+                f"{e.served_spread[0]:.1f}..{e.served_spread[1]:.1f} img/s; JPEGs of "
+                f"{size_text(e.mean_image_bytes)} on average",
+            ]
+        if h is not None:
+            lines.append(
+                f"/health every {h.interval * 1000:.0f} ms while encoding: {h.ok}/{h.probes} "
+                f"answered 200, p99 {h.p99_seconds * 1000:.1f} ms, max "
+                f"{h.max_seconds * 1000:.1f} ms"
+            )
+        lines.append(
+            f"memory: peak RSS {self.peak_rss_bytes / 2**20:.0f} MiB; left at the end: "
+            f"{self.registrations_left} registrations besides the arenas, "
+            f"{self.scopes_left} scopes"
+        )
+        return "\n".join(lines)

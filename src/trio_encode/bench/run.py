@@ -1,0 +1,357 @@
+"""``trio-encode bench``: each served path beside the raw part it is built on, and beside an
+asyncio peer, in one run.
+
+The servers are the real one (hypercorn, quart-trio, request scopes, Mooncake over TCP) in
+this process. Everything that would be another machine in a deployment runs in a child
+process (:mod:`trio_encode.bench.load`): the receiver ranks, each with its own Mooncake engine
+and landing pool, and the HTTP clients. The peer (:mod:`trio_encode.bench.peer`) runs in a
+process of its own.
+
+- Transfer rows, per embedding size and TP: *raw* is ``MooncakeEngine.transfer`` from the
+  server's engine into the ranks' slots, TP streams at once; *served* is ``/send`` of the same
+  sizes, every rank sending every req_id in turn (the req_ids are encoded before the clock
+  starts, each with its own image, by a server whose stand-in model produces that size), with
+  the registered arena and without it; *peer* is the same sends through the peer. The
+  registrations per request come from the server's ``/metrics``.
+- Encoder rows: the model's forward in a loop at the server's batch size against ``/encode``
+  from N clients with distinct JPEGs (cache off), each request completed by a ``/send``, with
+  a probe polling ``/health``.
+
+Within a round the phases of a row alternate, and rounds are pooled, so load that comes or
+goes during the run skews every side alike.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass, replace
+from functools import partial
+
+import httpx
+import torch
+import trio
+
+from trio_encode.arena import Arena
+from trio_encode.bench.load import KEEP_ALIVE, LoadConfig, LoadProcess, open_load
+from trio_encode.bench.peer import open_peer
+from trio_encode.bench.phases import (
+    BatchRecorder,
+    Progress,
+    ServedRound,
+    peer_sends,
+    raw_forward_for,
+    raw_transfers,
+    served_encode_round,
+    served_sends,
+    spread,
+    window_for,
+)
+from trio_encode.bench.results import (
+    BenchResult,
+    EncoderRow,
+    ProbeRow,
+    Rate,
+    TransferRow,
+    percentile,
+    size_text,
+)
+from trio_encode.bench.settings import BenchConfig
+from trio_encode.bench.synthetic import ROW_BYTES, SizedBackend, tokens_for
+from trio_encode.client import EncodeClient, metric_value
+from trio_encode.encoder import EncoderSettings, ImageEncoder, load_backend
+from trio_encode.engine.mooncake import MooncakeEngine
+from trio_encode.server.metrics import Metrics
+from trio_encode.server.serve import RunningServer, open_server
+from trio_encode.settings import ServerSettings
+
+
+def _peak_rss() -> int:
+    """Peak resident set of this process in bytes (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+@dataclass
+class _Served:
+    """One server of the transfer rows and a client for it."""
+
+    running: RunningServer
+    client: EncodeClient
+    arena: bool
+
+    async def value(self, name: str) -> float:
+        return metric_value(await self.client.metrics(), "trio_encode_" + name)
+
+
+@asynccontextmanager
+async def _sized_server(
+    engine: MooncakeEngine, nbytes: int, *, arena: bool, window: int
+) -> AsyncIterator[_Served]:
+    """A server whose every image's embedding is ``nbytes``; with its own arena or none."""
+    settings = EncoderSettings(
+        image_size=16,
+        patch_size=16,
+        max_batch_size=16,
+        queue_size=max(64, 2 * window),
+        cache_bytes=0,
+        warmup=False,
+    )
+    backend = SizedBackend(tokens_for(nbytes))
+    pool = Arena((window + 2) * nbytes + (1 << 20), cache_bytes=0) if arena else None
+    encoder = ImageEncoder(backend, settings, arena=pool)
+    server_settings = ServerSettings.exactly(port=0, encoder=settings, shutdown_grace=5.0)
+    async with (
+        open_server(server_settings, engine=engine, encoder=encoder, metrics=Metrics()) as running,
+        EncodeClient(
+            running.url,
+            http=httpx.AsyncClient(base_url=running.url, timeout=300, limits=KEEP_ALIVE),
+        ) as client,
+    ):
+        yield _Served(running, client, arena)
+
+
+async def _leftovers(served: _Served) -> tuple[int, int]:
+    """Registrations (besides the arena's) and scopes still held; a scope ends just after its
+    last /send answered, so allow a moment (at most 5 s)."""
+    arena = 1 if served.arena else 0
+    left = (1, 1)
+    with trio.move_on_after(5):
+        while any(left):
+            left = (
+                int(await served.value("live_registrations")) - arena,
+                int(await served.value("live_scopes")),
+            )
+            if any(left):
+                await trio.sleep(0.02)
+    return left
+
+
+async def _transfer_rows(
+    config: BenchConfig, progress: Progress
+) -> tuple[list[TransferRow], int, int]:
+    sizes = [tokens_for(size) * ROW_BYTES for size in config.sizes]
+    engine = await MooncakeEngine.create(config.engine)
+    source = torch.randint(1, 255, (max(sizes),), dtype=torch.uint8)
+    load_config = LoadConfig(
+        url="",
+        concurrency=1,
+        tp=max(config.tps),
+        image_size=16,
+        bytes_per_image=0,
+        engine=config.engine,
+        nice=config.load_nice,
+        mode="send",
+        landing_bytes=max(sizes),
+    )
+    rows: list[TransferRow] = []
+    left = [0, 0]
+    async with AsyncExitStack() as stack:
+        load = await stack.enter_async_context(open_load(load_config))
+        peer_url = await stack.enter_async_context(open_peer()) if config.peer else None
+        peer_http = await stack.enter_async_context(
+            httpx.AsyncClient(timeout=300, limits=KEEP_ALIVE)
+        )
+        await engine.register(int(source.data_ptr()), source.numel())
+        stack.push_async_callback(_deregister, engine, int(source.data_ptr()))
+        for nbytes in sizes:
+            rows += await _rows_for_size(
+                config, progress, engine, int(source.data_ptr()), load, peer_url, peer_http,
+                nbytes, left,
+            )  # fmt: skip
+    return rows, left[0], left[1]
+
+
+async def _rows_for_size(
+    config: BenchConfig,
+    progress: Progress,
+    engine: MooncakeEngine,
+    source: int,
+    load: LoadProcess,
+    peer_url: str | None,
+    peer_http: httpx.AsyncClient,
+    nbytes: int,
+    left: list[int],
+) -> list[TransferRow]:
+    window = window_for(nbytes, config.transfer_requests)
+    count = config.transfer_requests
+    raw: dict[int, list[float]] = {tp: [] for tp in config.tps}
+    peer: dict[int, list[float]] = {tp: [] for tp in config.tps}
+    served: dict[tuple[int, bool], list[float]] = {}
+    registrations: dict[tuple[int, bool], float] = {}
+    async with AsyncExitStack() as stack:
+        servers = [
+            await stack.enter_async_context(
+                _sized_server(engine, nbytes, arena=arena, window=window)
+            )
+            for arena in config.arena_modes
+        ]
+        for round_ in range(config.rounds):
+            for tp in config.tps:
+                name = f"{size_text(nbytes)} TP={tp} round {round_ + 1}/{config.rounds}"
+                progress.say(f"transfer {name}: raw")
+                raw[tp].append(await raw_transfers(engine, source, load.ranks[:tp], nbytes, count))
+                for server in servers:
+                    progress.say(f"transfer {name}: served, arena {_on(server.arena)}")
+                    req_ids = [f"b{round_}-{tp}-{nbytes}-{i}" for i in range(count)]
+                    before = await server.value("registrations_total")
+                    seconds = await served_sends(
+                        server.client, load, server.running.url, tp, req_ids, nbytes
+                    )
+                    made = await server.value("registrations_total") - before
+                    served.setdefault((tp, server.arena), []).append(seconds)
+                    key = (tp, server.arena)
+                    registrations[key] = registrations.get(key, 0.0) + made
+                if peer_url is not None:
+                    progress.say(f"transfer {name}: peer")
+                    req_ids = [f"p{round_}-{tp}-{nbytes}-{i}" for i in range(count)]
+                    peer[tp].append(
+                        await peer_sends(peer_http, load, peer_url, tp, req_ids, nbytes)
+                    )
+        for server in servers:
+            registrations_left, scopes_left = await _leftovers(server)
+            left[0] += registrations_left
+            left[1] += scopes_left
+    rows = []
+    for tp in config.tps:
+        moved = config.rounds * count * tp * nbytes
+        for arena in config.arena_modes:
+            rows.append(
+                TransferRow(
+                    nbytes=nbytes,
+                    tp=tp,
+                    arena=arena,
+                    raw=Rate(moved, sum(raw[tp])),
+                    served=Rate(moved, sum(served[tp, arena])),
+                    peer=Rate(moved, sum(peer[tp])) if peer_url is not None else None,
+                    registrations_per_request=registrations[tp, arena] / (config.rounds * count),
+                )
+            )
+    return rows
+
+
+def _on(flag: bool) -> str:
+    return "on" if flag else "off"
+
+
+async def _deregister(engine: MooncakeEngine, address: int) -> None:
+    """Cleanup that a cancelled bench must still finish."""
+    with trio.CancelScope(shield=True):
+        await engine.deregister(address)
+
+
+async def _encoder_rows(
+    config: BenchConfig, progress: Progress
+) -> tuple[str, EncoderRow, ProbeRow, tuple[int, int]]:
+    """The model's forward against /encode; the encoder rows' server has the cache off."""
+    settings = replace(
+        config.encoder,
+        cache_bytes=0,
+        queue_size=max(config.encoder.queue_size, config.concurrency),
+        warmup=True,
+    )
+    backend = await trio.to_thread.run_sync(load_backend, settings)
+    metrics = BatchRecorder()
+    arena = Arena(settings.arena_bytes, cache_bytes=0) if settings.arena_bytes else None
+    encoder = ImageEncoder(backend, settings, observer=metrics, arena=arena)
+    engine = await MooncakeEngine.create(config.engine)
+    batch_size = settings.max_batch_size
+    raw_images, raw_seconds, raw_rates = 0, 0.0, []
+    rounds: list[ServedRound] = []
+    latencies: list[float] = []
+    statuses: list[int] = []
+    server_settings = ServerSettings.exactly(port=0, encoder=settings, shutdown_grace=5.0)
+    async with open_server(server_settings, engine=engine, encoder=encoder, metrics=metrics) as (
+        running
+    ):
+        load_config = LoadConfig(
+            url=running.url,
+            concurrency=config.concurrency,
+            tp=config.encoder_tp,
+            image_size=backend.preprocess.image_size,
+            bytes_per_image=encoder.info.bytes_per_image,
+            engine=config.engine,
+            nice=config.load_nice,
+        )
+        async with open_load(load_config) as load, EncodeClient(running.url) as client:
+            for round_ in range(config.rounds):
+                progress.say(f"encoder round {round_ + 1}/{config.rounds}: raw forward")
+                images, seconds = await trio.to_thread.run_sync(
+                    partial(
+                        raw_forward_for, backend, batch_size, config.raw_seconds / config.rounds
+                    )
+                )
+                raw_images, raw_seconds = raw_images + images, raw_seconds + seconds
+                raw_rates.append(images / seconds)
+                progress.say(f"encoder round {round_ + 1}/{config.rounds}: served")
+                rounds.append(
+                    await served_encode_round(
+                        running.url,
+                        metrics,
+                        load,
+                        seconds=config.served_seconds / config.rounds,
+                        settle=config.settle_seconds,
+                        probe_interval=config.probe_interval,
+                        latencies=latencies,
+                        statuses=statuses,
+                    )
+                )
+            text = await client.metrics()
+            left = (
+                int(metric_value(text, "trio_encode_live_registrations")) - (arena is not None),
+                int(metric_value(text, "trio_encode_live_scopes")),
+            )
+    batches = [batch for served in rounds for batch in served.batches]
+    row = EncoderRow(
+        batch_size=batch_size,
+        concurrency=config.concurrency,
+        raw_images=raw_images,
+        raw_seconds=raw_seconds,
+        served_images=sum(r.images for r in rounds),
+        served_seconds=sum(r.seconds for r in rounds),
+        served_batches=len(batches),
+        served_forward_seconds=sum(seconds for _, seconds in batches),
+        served_images_in_batches=sum(images for images, _ in batches),
+        raw_spread=spread(raw_rates),
+        served_spread=spread([r.images / r.seconds for r in rounds if r.seconds > 0]),
+        mean_image_bytes=load.mean_image_bytes,
+    )
+    probe = ProbeRow(
+        interval=config.probe_interval,
+        probes=len(statuses),
+        ok=sum(status == 200 for status in statuses),
+        p99_seconds=percentile(latencies, 0.99),
+        max_seconds=max(latencies, default=0.0),
+    )
+    return backend.model_id, row, probe, left
+
+
+async def run_bench(config: BenchConfig) -> BenchResult:
+    """Every row; see the module's doc."""
+    started = time.perf_counter()
+    progress = Progress(config.progress)
+    transfers, registrations_left, scopes_left = await _transfer_rows(config, progress)
+    model_id, encoder, health = "", None, None
+    if config.encoder_rows:
+        model_id, encoder, health, left = await _encoder_rows(config, progress)
+        registrations_left += left[0]
+        scopes_left += left[1]
+    result = BenchResult(
+        model_id=model_id,
+        rounds=config.rounds,
+        torch_threads=torch.get_num_threads(),
+        transfers=transfers,
+        encoder=encoder,
+        health=health,
+        peak_rss_bytes=_peak_rss(),
+        registrations_left=registrations_left,
+        scopes_left=scopes_left,
+        seconds=time.perf_counter() - started,
+    )
+    if config.plots is not None:
+        from trio_encode.bench.plots import write_plots
+
+        for path in write_plots(result, config.plots):
+            progress.say(f"wrote {path}")
+    return result

@@ -1,0 +1,126 @@
+"""What ``trio-encode bench`` runs: one frozen value, checked once when it is built.
+
+Each field is declared with :func:`~trio_encode.declare.setting`, so it is also a flag of
+``trio-encode bench`` (flags only: a benchmark is not configured from the environment).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BeforeValidator, ConfigDict, Field
+from pydantic.dataclasses import dataclass
+
+from trio_encode.declare import setting
+from trio_encode.encoder.settings import EncoderSettings
+from trio_encode.engine.mooncake import MooncakeSettings
+from trio_encode.sizes import ByteSize
+
+ENCODER_TARGET = 0.9
+"""The served/raw encoder throughput a serving path should keep."""
+
+ArenaMode = Literal["both", "on", "off"]
+_ARENA_MODES: dict[str, tuple[bool, ...]] = {"both": (True, False), "on": (True,), "off": (False,)}
+
+
+def _comma_list(value: Any) -> Any:
+    """``"1,4"`` -> ``("1", "4")``; anything else is left for pydantic to check."""
+    if isinstance(value, str):
+        return tuple(part.strip() for part in value.split(",") if part.strip())
+    return value
+
+
+Sizes = Annotated[
+    tuple[Annotated[ByteSize, Field(gt=0)], ...], BeforeValidator(_comma_list), Field(min_length=1)
+]
+Counts = Annotated[
+    tuple[Annotated[int, Field(gt=0)], ...], BeforeValidator(_comma_list), Field(min_length=1)
+]
+
+
+@dataclass(frozen=True, config=ConfigDict(extra="forbid"))
+class BenchConfig:
+    """The measured rows; the defaults take about 5 minutes on 2 CPU cores."""
+
+    encoder: EncoderSettings = Field(default_factory=EncoderSettings)
+    """The model and batching of the encoder rows (``max_batch_size`` is the B of both
+    sides). The transfer rows use a stand-in model whose output has each exact size."""
+    engine: MooncakeSettings = Field(default_factory=MooncakeSettings)
+    sizes: Sizes = setting(
+        (400_000, 1_600_000, 6_400_000, 25_600_000),
+        group="bench",
+        help="Embedding sizes of the /send rows, comma-separated, with units (e.g. "
+        "0.4MB,1.6MB); rounded to whole 2048-float rows.",
+    )
+    tps: Counts = setting(
+        (1, 2, 4, 8),
+        group="bench",
+        help="Receiving ranks of the /send rows, each with its own engine; every rank sends "
+        "every req_id in turn.",
+    )
+    arena: ArenaMode = setting(
+        "both",
+        group="bench",
+        help="Served /send rows with the registered arena, without it, or both.",
+    )
+    peer: bool = setting(
+        True,
+        group="bench",
+        help="Also time the asyncio peer (needs the bench extra: FastAPI and uvicorn).",
+    )
+    transfer_requests: int = setting(
+        16, group="bench", gt=0, help="req_ids per round, size and TP; every rank sends each."
+    )
+    encoder_rows: bool = setting(
+        True, group="bench", help="Also measure /encode against the model's forward."
+    )
+    concurrency: int = setting(
+        16,
+        group="bench",
+        gt=0,
+        help="HTTP clients calling /encode then /send in a loop, each with its own images.",
+    )
+    served_seconds: float = setting(
+        60.0, group="bench", gt=0, help="Measured /encode time, over all rounds."
+    )
+    raw_seconds: float = setting(
+        15.0, group="bench", gt=0, help="Measured raw forward time, over all rounds."
+    )
+    settle_seconds: float = setting(
+        1.0,
+        group="bench",
+        ge=0,
+        help="Per served encoder round, time the clients get to fill the pipeline first.",
+    )
+    rounds: int = setting(
+        3,
+        group="bench",
+        gt=0,
+        help="Raw and served phases alternate this many times and are pooled.",
+    )
+    probe_interval: float = setting(
+        0.05, group="bench", gt=0, help="Seconds between two /health probes."
+    )
+    load_nice: int = setting(
+        0,
+        group="bench",
+        ge=0,
+        le=19,
+        help="Niceness added to the process running the clients and ranks (0 measured faster "
+        "than 10 on 2 cores).",
+    )
+    plots: Path | None = setting(
+        None, group="bench", help="Write PNG plots of the /send ratios into this directory."
+    )
+    progress: bool = setting(True, group="bench", help="Report each phase on stderr.")
+
+    @property
+    def arena_modes(self) -> tuple[bool, ...]:
+        """The served transfer rows to run: with the arena (True), without it (False)."""
+        return _ARENA_MODES[self.arena]
+
+    @property
+    def encoder_tp(self) -> int:
+        """Ranks the encoder rows' clients send to (they only end each scope)."""
+        return min(4, max(self.tps))

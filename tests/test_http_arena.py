@@ -1,0 +1,95 @@
+"""The registered arena end to end: HTTP, the real encoder, real Mooncake engines over TCP.
+
+With the arena, the server registers one region at start and no request registers anything:
+each image's row is written into an arena segment by the forward, a request's embedding is
+its images' segments, and each rank's buffer receives them back to back from one batched
+call. Every byte that lands is checked against the model run directly, and the registration
+counts come from ``/metrics``, as an operator would read them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import trio
+
+from support.engines import TP, Fleet, fleet_fixture  # noqa: F401  (the fixture)
+from support.harness import P, landing_pools, serving
+from test_http_real_encoder import SMALL, direct, png_uri
+from trio_encode.client import EncodeClient, LandingPool, LandingSlot, metric_value
+from trio_encode.encoder import ImageEncoder
+
+ROW = 16 * 256 * 4
+"""Bytes of one image's embedding with the small model (16 tokens of 256 floats)."""
+
+
+async def run_ranks(
+    client: EncodeClient, pools: list[LandingPool], requests: dict[str, list[str]]
+) -> dict[tuple[str, int], LandingSlot]:
+    """Every rank encodes and sends every request, all at once; the slots they landed in
+    (each checked against the answer's checksum)."""
+    landed: dict[tuple[str, int], LandingSlot] = {}
+
+    async def rank(req_id: str, r: int) -> None:
+        encoded = await client.encode(req_id, requests[req_id], receive_count=TP)
+        slot = pools[r].allocate(encoded.embedding_size)
+        sent = await client.send(req_id, pools[r].session_id, slot.address)
+        slot.verify(sent.embedding_size, sent.checksum)
+        landed[req_id, r] = slot
+
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            for req_id in requests:
+                for r in range(TP):
+                    nursery.start_soon(rank, req_id, r)
+    return landed
+
+
+async def test_tp4_over_the_arena_registers_once_for_all_requests(fleet: Fleet) -> None:
+    """Six requests of two images (one image shared by every request: a cache hit after the
+    first), four ranks each: one registration in all, and every rank gets the right bytes."""
+    encoder = ImageEncoder.from_settings(replace(SMALL, arena_bytes=4 << 20))
+    shared = png_uri(900)
+    requests = {f"arena-{i}": [png_uri(300 + i), shared] for i in range(6)}
+    async with (
+        serving(fleet.server, encoder=encoder) as harness,
+        landing_pools(fleet, len(requests) * 2 * ROW + 4096) as pools,
+    ):
+        landed = await run_ranks(harness.client, pools, requests)
+        text = await harness.settled()
+
+    for req_id, uris in requests.items():
+        expected = direct(encoder, uris)
+        for r in range(TP):
+            assert torch.equal(landed[req_id, r].read(*expected.shape, "float32"), expected)
+    assert metric_value(text, P + "registrations_total") == 1, "the arena, once"
+    assert metric_value(text, P + "deregistrations_total") == 0
+    assert metric_value(text, P + "arena_fallbacks") == 0
+    assert metric_value(text, P + "arena_leased_bytes") == 0, "every scope gave its segments back"
+    assert metric_value(text, P + "arena_cached_bytes") == 7 * 4096 * 4  # 7 images, 16 KiB each
+    assert metric_value(text, P + "register_seconds_count") == 1
+    assert metric_value(text, P + "engine_errors_total") == 0
+
+
+async def test_a_full_arena_falls_back_to_per_request_registration(fleet: Fleet) -> None:
+    """An arena with room for one image: two-image requests do not fit, so each registers its
+    own embedding (counted as a fallback) and is served all the same, byte for byte."""
+    encoder = ImageEncoder.from_settings(replace(SMALL, arena_bytes=ROW, cache_bytes=0))
+    requests = {f"full-{i}": [png_uri(500 + 2 * i), png_uri(501 + 2 * i)] for i in range(3)}
+    async with (
+        serving(fleet.server, encoder=encoder) as harness,
+        landing_pools(fleet, len(requests) * 2 * ROW + 4096) as pools,
+    ):
+        landed = await run_ranks(harness.client, pools, requests)
+        text = await harness.settled()
+
+    for req_id, uris in requests.items():
+        expected = direct(encoder, uris)
+        for r in range(TP):
+            assert torch.equal(landed[req_id, r].read(*expected.shape, "float32"), expected)
+    fallbacks = metric_value(text, P + "arena_fallbacks")
+    assert fallbacks == len(requests)
+    assert metric_value(text, P + "registrations_total") == 1 + fallbacks
+    assert metric_value(text, P + "deregistrations_total") == fallbacks
+    assert metric_value(text, P + "arena_leased_bytes") == 0
