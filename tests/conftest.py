@@ -16,9 +16,9 @@ import torch
 import trio
 
 from trio_encode.engine import TransferEngine
-from trio_encode.engine.memory import InMemoryFabric
 from trio_encode.engine.mooncake import MooncakeEngine, MooncakeSettings
 from trio_encode.settings import ENV_PREFIX
+from trio_encode.testing.memory_engine import InMemoryFabric
 
 # A session id nobody listens on: port 1 on loopback is never a Mooncake engine.
 DEAD_MOONCAKE_SESSION = "127.0.0.1:1"

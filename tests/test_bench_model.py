@@ -12,7 +12,7 @@ import trio.testing
 
 from trio_encode.bench.model import PATHS, run_model
 from trio_encode.engine.costs import RDMA, CallCost, CostModel
-from trio_encode.engine.memory import InMemoryFabric
+from trio_encode.testing.memory_engine import InMemoryFabric
 
 FLAT = CostModel(
     name="flat",

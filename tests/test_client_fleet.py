@@ -10,13 +10,13 @@ import pytest
 import torch
 import trio
 
-from support.encoder import embedding_size, expected_embedding, image_uri
 from support.engines import Fleet, fleet_fixture  # noqa: F401  (the fixture)
 from support.harness import landing_pools, serving
 from trio_encode.client import EncodeResult, LandingPool
 from trio_encode.client.fleet import EncoderList, FleetClient, NoEncoderAvailable
 from trio_encode.client.health import HealthTracker
 from trio_encode.client.ranking import content_digest, rank
+from trio_encode.testing.stand_in_encoder import embedding_size, expected_embedding, image_uri
 
 DEAD = "http://127.0.0.1:1"  # nothing listens on port 1
 

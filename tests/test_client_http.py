@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from support.encoder import embedding_size, image_uri
 from support.engines import DEAD_SESSION, Fleet, fleet_fixture  # noqa: F401  (the fixture)
 from support.harness import landing_pools, serving
 from trio_encode.client import EncodeClient, EngineFailed, RequestRejected
@@ -16,6 +15,7 @@ from trio_encode.errors import (
     Unauthorized,
     UnknownRequest,
 )
+from trio_encode.testing.stand_in_encoder import embedding_size, image_uri
 
 ITEM = image_uri(b"client image")
 

@@ -16,12 +16,12 @@ import torch
 import trio
 from PIL import Image
 
-from support.encoder import image_uri
 from test_encoder_batcher import FakeBackend, inline
 from trio_encode.encoder.batcher import ImageEncoder
 from trio_encode.encoder.fetch import FetchPolicy, RemoteFetcher, is_remote
 from trio_encode.encoder.settings import EncoderSettings
 from trio_encode.errors import InvalidInput
+from trio_encode.testing.stand_in_encoder import image_uri
 
 LOOPBACK = (ipaddress.ip_network("127.0.0.0/8"),)
 

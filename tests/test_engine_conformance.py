@@ -23,8 +23,8 @@ from trio_encode.engine import (
     EngineError,
     TransferEngine,
 )
-from trio_encode.engine.memory import CallRecord, InMemoryEngine, InMemoryFabric
 from trio_encode.engine.mooncake import MooncakeEngine, MooncakeSettings
+from trio_encode.testing.memory_engine import CallRecord, InMemoryEngine, InMemoryFabric
 
 if TYPE_CHECKING:
     from conftest import BufferPool, EnginePair

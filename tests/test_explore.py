@@ -14,7 +14,6 @@ import re
 
 import pytest
 
-from support.encoder import StandInEncoder, expected_embedding, image_uri
 from trio_encode.testing import (
     PHASES,
     Caller,
@@ -26,6 +25,7 @@ from trio_encode.testing import (
     random_schedule,
     run_schedule,
 )
+from trio_encode.testing.stand_in_encoder import StandInEncoder, expected_embedding, image_uri
 
 IMAGES = (b"explore-image-0", b"explore-image-1")
 LATENCY_SEEDS = range(8)

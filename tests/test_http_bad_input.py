@@ -17,10 +17,10 @@ import httpx
 import pytest
 import torch
 
-from support.encoder import embedding_size, image_uri
 from support.engines import DEAD_SESSION, Fleet, fleet_fixture  # noqa: F401  (the fixture)
 from support.harness import Harness, landing_pools, serving
 from trio_encode.client import LandingPool
+from trio_encode.testing.stand_in_encoder import embedding_size, image_uri
 
 MAX_BODY = 64 * 1024
 GOOD_ITEM = image_uri(b"a good image" * 10)

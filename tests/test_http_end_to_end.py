@@ -6,11 +6,11 @@ import pytest
 import torch
 import trio
 
-from support.encoder import embedding_size, expected_embedding, image_uri
 from support.engines import TP, Fleet, fleet_fixture  # noqa: F401  (the fixture)
 from support.harness import P, landing_pools, serving
 from trio_encode.client import ChecksumMismatch, LandingSlot, metric_value
 from trio_encode.errors import RequestReleased
+from trio_encode.testing.stand_in_encoder import embedding_size, expected_embedding, image_uri
 
 REQUESTS = 12
 IMAGES = 2

@@ -12,12 +12,17 @@ import pytest
 import torch
 import trio
 
-from support.encoder import StandInEncoder, embedding_size, expected_embedding, image_uri
 from support.engines import TP, DelayedTransferEngine, Fleet, fleet_fixture  # noqa: F401
 from support.harness import Harness, landing_pools, serving
 from trio_encode.client import EncodeClient, LandingSlot
 from trio_encode.errors import RequestReleased, ScopeExpired
 from trio_encode.service import ShutdownReport
+from trio_encode.testing.stand_in_encoder import (
+    StandInEncoder,
+    embedding_size,
+    expected_embedding,
+    image_uri,
+)
 
 IMAGE = b"a cat" * 100
 SIZE = embedding_size(1)

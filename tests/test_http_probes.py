@@ -9,13 +9,13 @@ import httpx
 import pytest
 import trio
 
-from support.encoder import StandInEncoder, embedding_size, image_uri
 from support.engines import Fleet, fleet_fixture  # noqa: F401  (the fixture)
 from support.harness import P, landing_pools, serving
 from trio_encode.client import metric_value
 from trio_encode.server.loading import LoadingEncoder
 from trio_encode.server.metrics import Metrics, build_versions
 from trio_encode.service import Encoder
+from trio_encode.testing.stand_in_encoder import StandInEncoder, embedding_size, image_uri
 
 ITEM = image_uri(b"probe image")
 

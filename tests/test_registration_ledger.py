@@ -12,8 +12,8 @@ import torch
 import trio
 import trio.testing
 
-from trio_encode.engine.memory import InMemoryFabric
 from trio_encode.registrations import Lease, RegistrationLedger
+from trio_encode.testing.memory_engine import InMemoryFabric
 
 NBYTES = 4096
 

@@ -21,7 +21,6 @@ import trio.testing
 from lifecycle_rig import lifecycle_rig, make_embedding
 from trio_encode.embedding import Embedding, checksum_of
 from trio_encode.engine import INVALID_ADDRESS, TRANSFER_FAILED, EngineError
-from trio_encode.engine.memory import InMemoryFabric
 from trio_encode.engine.threads import ThreadSettings
 from trio_encode.errors import (
     EncodeFailed,
@@ -33,6 +32,7 @@ from trio_encode.errors import (
 )
 from trio_encode.request_types import SendReport
 from trio_encode.service import EncodeService, ServiceSettings
+from trio_encode.testing.memory_engine import InMemoryFabric
 
 NBYTES = 64 * 32 * 4
 

@@ -26,10 +26,10 @@ import trio.testing
 from PIL import Image
 
 from trio_encode.encoder import EncoderSettings, ImageEncoder, decode_image, load_backend
-from trio_encode.engine.memory import InMemoryEngine, InMemoryFabric
 from trio_encode.errors import EncodeFailed, RequestReleased, ScopeExpired
 from trio_encode.request_types import Receiver
 from trio_encode.service import EncodeService, ServiceSettings
+from trio_encode.testing.memory_engine import InMemoryEngine, InMemoryFabric
 
 T = TypeVar("T")
 FORWARD_SECONDS = 0.5

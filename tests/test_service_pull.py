@@ -18,7 +18,6 @@ import trio.testing
 
 from lifecycle_rig import make_embedding
 from trio_encode.embedding import Embedding
-from trio_encode.engine.memory import InMemoryEngine, InMemoryFabric
 from trio_encode.errors import (
     EncodeFailed,
     EncodeNotArrived,
@@ -29,6 +28,7 @@ from trio_encode.errors import (
 )
 from trio_encode.request_types import Receiver, SendReport
 from trio_encode.service import EncodeReport, EncodeService, ServiceSettings
+from trio_encode.testing.memory_engine import InMemoryEngine, InMemoryFabric
 
 TP = 4
 

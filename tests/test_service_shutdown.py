@@ -9,10 +9,10 @@ import trio.testing
 
 from lifecycle_rig import make_embedding
 from trio_encode.embedding import Embedding
-from trio_encode.engine.memory import InMemoryFabric
 from trio_encode.errors import InvalidInput, ShuttingDown
 from trio_encode.request_types import Receiver
 from trio_encode.service import EncodeService, ServiceSettings
+from trio_encode.testing.memory_engine import InMemoryFabric
 
 
 class SeededEncoder:
@@ -96,10 +96,10 @@ async def test_a_second_signal_cuts_the_grace_short() -> None:
     import signal
     from functools import partial
 
-    from support.encoder import StandInEncoder, image_uri
     from trio_encode.client import EncodeClient
     from trio_encode.server.serve import serve
     from trio_encode.settings import ServerSettings
+    from trio_encode.testing.stand_in_encoder import StandInEncoder, image_uri
 
     fabric = InMemoryFabric()
     settings = ServerSettings(port=0, shutdown_grace=30.0)

@@ -24,10 +24,10 @@ import httpx
 import pytest
 import trio
 
-from support.encoder import embedding_size, expected_embedding, image_uri
 from support.engines import TP, Fleet, fleet_fixture  # noqa: F401  (the fixture)
 from support.harness import Harness, P, landing_pools, serving
 from trio_encode.client import LandingPool, metric_value
+from trio_encode.testing.stand_in_encoder import embedding_size, expected_embedding, image_uri
 
 PREFILL_HOST = "127.0.0.1"
 EMBEDDING_PORT = 30001

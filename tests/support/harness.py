@@ -14,8 +14,8 @@ from trio_encode.engine import TransferEngine
 from trio_encode.server.serve import RunningServer, open_server
 from trio_encode.service import Encoder
 from trio_encode.settings import ServerSettings
+from trio_encode.testing.stand_in_encoder import StandInEncoder
 
-from .encoder import StandInEncoder
 from .engines import Fleet
 
 P = "trio_encode_"

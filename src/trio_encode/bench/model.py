@@ -30,11 +30,11 @@ import trio.testing
 from trio_encode.arena import Arena
 from trio_encode.embedding import ArenaEmbedding, Embedding
 from trio_encode.engine.costs import CostModel
-from trio_encode.engine.memory import InMemoryEngine, InMemoryFabric
 from trio_encode.observer import NullObserver, RegistrationCall
 from trio_encode.registrations import RegistrationLedger
 from trio_encode.registry import ScopeRegistry
 from trio_encode.request_types import EmbeddingMemory, Receiver
+from trio_encode.testing.memory_engine import InMemoryEngine, InMemoryFabric
 
 PATHS = ("arena", "per-request registration")
 MODEL_SIZES = (400_000, 1_600_000, 6_400_000, 25_600_000)

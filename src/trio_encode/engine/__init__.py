@@ -1,4 +1,5 @@
-"""Transfer engines: the interface the scopes use, and its Mooncake and in-memory builds."""
+"""Transfer engines: the interface the scopes use, and its Mooncake build (the in-memory one
+for tests is :mod:`trio_encode.testing.memory_engine`)."""
 
 from trio_encode.engine.base import (
     ADDRESS_OVERLAPPED,

@@ -34,17 +34,17 @@ from trio._core import _run as _trio_run
 
 from trio_encode.arena import Arena
 from trio_encode.engine import TRANSFER_FAILED, EngineError
-from trio_encode.engine.memory import (
+from trio_encode.errors import RequestError, RequestReleased
+from trio_encode.observer import NullObserver
+from trio_encode.request_types import EmbeddingMemory, Receiver
+from trio_encode.service import Encoder, EncodeService, ServiceSettings
+from trio_encode.testing.memory_engine import (
     CALL_KINDS,
     CallKind,
     CallRecord,
     InMemoryEngine,
     InMemoryFabric,
 )
-from trio_encode.errors import RequestError, RequestReleased
-from trio_encode.observer import NullObserver
-from trio_encode.request_types import EmbeddingMemory, Receiver
-from trio_encode.service import Encoder, EncodeService, ServiceSettings
 
 Phase = Literal["load", "open", "wait", "register", "transfer", "release"]
 PHASES: tuple[Phase, ...] = ("load", "open", "wait", "register", "transfer", "release")
