@@ -47,3 +47,4 @@ autodoc_default_options = {"members": True, "show-inheritance": True}
 html_theme = "furo"
 html_title = f"trio_encode {__version__}"
 html_static_path: list[str] = []
+smartquotes_action = "qe"  # keep "--flag" as two hyphens, never an en dash
