@@ -39,10 +39,10 @@ def tests(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
-    """ruff (check and format) and strict mypy over the package."""
+    """ruff (check and format) over the code and the docs' Python, strict mypy over the package."""
     _install(session, "mooncake", "hf", "group:lint")
-    session.run("ruff", "check", "src", "tests", "noxfile.py")
-    session.run("ruff", "format", "--check", "src", "tests", "noxfile.py")
+    session.run("ruff", "check", "src", "tests", "noxfile.py", "docs")
+    session.run("ruff", "format", "--check", "src", "tests", "noxfile.py", "docs")
     session.run("mypy")
 
 

@@ -18,7 +18,7 @@ from trio_encode import __version__  # noqa: E402
 
 project = "trio_encode"
 author = "trio_encode developers"
-copyright = "trio_encode developers"  # noqa: A001
+copyright = "trio_encode developers"
 release = __version__
 version = __version__
 
@@ -47,4 +47,5 @@ autodoc_default_options = {"members": True, "show-inheritance": True}
 html_theme = "furo"
 html_title = f"trio_encode {__version__}"
 html_static_path: list[str] = []
-smartquotes_action = "qe"  # keep "--flag" as two hyphens, never an en dash
+# Text as written: "--flag" stays two hyphens, quotes stay as the help texts have them.
+smartquotes = False
