@@ -8,6 +8,7 @@ and failing on an offline machine. Sphinx is a test dependency: if it is missing
 from __future__ import annotations
 
 import html
+import importlib.util
 import os
 import re
 import subprocess
@@ -136,3 +137,17 @@ def test_the_cli_reference_documents_every_command(site: Path) -> None:
 )
 def test_the_api_reference_documents_the_public_surface(site: Path, name: str) -> None:
     assert f'id="{name}"' in (site / "reference" / "api.html").read_text(encoding="utf-8")
+
+
+def test_the_drawings_are_what_their_script_draws(tmp_path: Path) -> None:
+    spec = importlib.util.spec_from_file_location("diagrams", DOCS / "img" / "diagrams.py")
+    assert spec is not None
+    assert spec.loader is not None
+    diagrams = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(diagrams)
+    diagrams.draw_all(tmp_path)
+    for name in diagrams.DRAWINGS:
+        drawn = (tmp_path / name).read_text(encoding="utf-8")
+        assert drawn == (DOCS / "img" / name).read_text(encoding="utf-8"), (
+            f"docs/img/{name} is stale: run python docs/img/diagrams.py"
+        )

@@ -1,6 +1,7 @@
 """Draw the request sequence and the lifecycle picture as plain SVG (no network, no plotting
 library): ``python docs/img/diagrams.py`` rewrites ``request_sequence.svg`` and
-``lifecycle.svg`` next to this file. The drawings are data here; edit them and rerun.
+``lifecycle.svg`` next to this file. The drawings are data here; edit them and rerun (the
+suite checks that the committed files are what this draws).
 """
 
 from __future__ import annotations
@@ -59,8 +60,8 @@ class Svg:
             f"{weight}{size}{italic}>{escape(words)}</text>"
         )
 
-    def save(self, name: str) -> None:
-        (HERE / name).write_text("\n".join([*self.parts, "</svg>", ""]), encoding="utf-8")
+    def save(self, path: Path) -> None:
+        path.write_text("\n".join([*self.parts, "</svg>", ""]), encoding="utf-8")
 
 
 # -- one request, across /encode, /send, the metadata pull and the release ----------------------
@@ -118,7 +119,7 @@ STEPS: list[tuple[str, int, int, str]] = [
 ]
 
 
-def draw_sequence() -> None:
+def draw_sequence(path: Path) -> None:
     lane_w, left, top, row = 128, 14, 56, 27
     width = left * 2 + lane_w * len(LANES)
     height = top + row * (len(STEPS) + 1) + 30
@@ -155,13 +156,13 @@ def draw_sequence() -> None:
         svg.line(x(source), y_line, x(target), y_line, arrow="1", stroke=color, **dash)
         middle = (x(source) + x(target)) / 2
         svg.text(middle, y_line - 5, label, size="11", fill=ACCENT if kind == "call" else MUTED)
-    svg.save("request_sequence.svg")
+    svg.save(path)
 
 
 # -- the lifecycle picture: who lives inside whom, and how a scope ends -------------------------
 
 
-def draw_lifecycle() -> None:
+def draw_lifecycle(path: Path) -> None:
     svg = Svg(940, 520, "The request lifecycle: nurseries, and the ways a scope ends")
     svg.text(20, 26, "Who lives inside whom", anchor="start", weight="bold", size="14")
     svg.rect(20, 40, 560, 260, fill="#f5f7fa")
@@ -248,9 +249,17 @@ def draw_lifecycle() -> None:
         size="11",
     )
     svg.text(20, 494, "410, the original error, or a repeat 200.", anchor="start", size="11")
-    svg.save("lifecycle.svg")
+    svg.save(path)
+
+
+DRAWINGS = {"request_sequence.svg": draw_sequence, "lifecycle.svg": draw_lifecycle}
+"""Each file this script owns, and what draws it."""
+
+
+def draw_all(directory: Path) -> None:
+    for name, draw in DRAWINGS.items():
+        draw(directory / name)
 
 
 if __name__ == "__main__":
-    draw_sequence()
-    draw_lifecycle()
+    draw_all(HERE)
