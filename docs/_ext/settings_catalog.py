@@ -110,7 +110,8 @@ def _table(group_rows: list[Row]) -> nodes.table:
 
 
 class SettingsCatalog(SphinxDirective):
-    """Sections titled by ``--help`` group, each with a table of its settings."""
+    """Sections titled by ``--help`` group, each with a table of its settings: the server's
+    groups, then the ``demo`` and ``bench`` commands' own."""
 
     has_content = False
 
@@ -119,9 +120,12 @@ class SettingsCatalog(SphinxDirective):
         for row in rows():
             by_group.setdefault(row.group, []).append(row)
         sections: list[nodes.Node] = []
-        for group in GROUPS:
-            if group not in by_group:
-                continue
+        # The server's groups first, then the commands' own, each in --help's order.
+        shown = sorted(
+            (group for group in GROUPS if group in by_group),
+            key=lambda group: by_group[group][0].variable is None,
+        )
+        for group in shown:
             section = nodes.section(ids=[f"settings-{group}"], names=[f"settings-{group}"])
             section += nodes.title(text=group.capitalize())
             if group in GROUP_INTROS:
