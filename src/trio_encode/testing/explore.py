@@ -89,9 +89,13 @@ class Schedule:
     """Everything that decides a run; equal schedules give identical runs."""
 
     seed: int
+    """The seed it was drawn from (see :func:`random_schedule`); replays it."""
     callers: tuple[Caller, ...]
+    """Every rank's client of every request, in the order their tasks are started."""
     ranks: int
+    """Receiving ranks per request (each request's ``receive_count``)."""
     requests: int = 1
+    """Requests in the run, each with its own ``req_id``."""
     shared_image: bool = False
     """All requests encode the same image; the encoder hands them one embedding (a cache
     hit), so their scopes lease one registration."""
