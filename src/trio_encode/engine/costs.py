@@ -48,7 +48,7 @@ RDMA = CostModel(
     register=CallCost(fixed=20e-6, per_byte=0.098e-3 / MB),
     deregister=CallCost(fixed=10e-6, per_byte=0.024e-3 / MB),
     # 25 GB/s on one link: the low end of the 25-40 GB/s that 200-400 Gb/s NICs reach with
-    # Mooncake (42 GB/s on one 400 Gb/s NIC in kvcache-ai/Mooncake issue 813); 5 us to post
+    # Mooncake (42 GB/s on one 400 Gb/s NIC, kvcache-ai/Mooncake issue tracker #813); 5 us to post
     # and complete a work request, an assumption.
     transfer=CallCost(fixed=5e-6, per_byte=1 / (25e9)),
     sources=(
@@ -56,7 +56,7 @@ RDMA = CostModel(
         "register 49.2 s, deregister 11.75 s, sequential); AWS EFA host buffers cost more "
         "(~600 ms for 391 MB, kvcache-ai/Mooncake pull request 3210)",
         "transfer: 25 GB/s per link (42 GB/s measured on one 400 Gb/s NIC, "
-        "kvcache-ai/Mooncake issue 813)",
+        "kvcache-ai/Mooncake issue tracker #813)",
     ),
 )
 """Host memory over an RDMA NIC, from public measurements (see ``sources``)."""
