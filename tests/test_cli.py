@@ -17,6 +17,7 @@ from click.testing import CliRunner
 import trio_encode.server.serve
 from trio_encode.cli import cli
 from trio_encode.encoder import EncoderSettings
+from trio_encode.engine.faults import FaultPlan
 from trio_encode.service import ShutdownReport
 from trio_encode.settings import ServerSettings
 
@@ -32,6 +33,7 @@ SETTINGS = {
     "--engine-metadata-server": "TRIO_ENCODE_ENGINE_METADATA_SERVER",
     "--engine-device": "TRIO_ENCODE_ENGINE_DEVICE",
     "--engine-hostname": "TRIO_ENCODE_ENGINE_HOSTNAME",
+    "--engine-faults": "TRIO_ENCODE_ENGINE_FAULTS",
     "--log-level": "TRIO_ENCODE_LOG_LEVEL",
     "--image-size": "TRIO_ENCODE_IMAGE_SIZE",
     "--patch-size": "TRIO_ENCODE_PATCH_SIZE",
@@ -128,6 +130,19 @@ def test_encoder_settings_that_do_not_fit_together_are_a_usage_error(
     assert "not a multiple of patch_size" in result.output
     assert "Traceback" not in result.output
     assert not captured
+
+
+def test_engine_faults_are_off_unless_asked_for(captured: list[ServerSettings]) -> None:
+    assert CliRunner().invoke(cli, ["serve"]).exit_code == 0
+    env = {"TRIO_ENCODE_ENGINE_FAULTS": "register=0.01,transfer=0.02,seed=3"}
+    assert CliRunner().invoke(cli, ["serve"], env=env).exit_code == 0
+    off, on = captured
+    assert off.engine_faults is None
+    assert on.engine_faults == FaultPlan(register=0.01, transfer=0.02, seed=3)
+    refused = CliRunner().invoke(cli, ["serve", "--engine-faults", "transfer=3"])
+    assert refused.exit_code == 2
+    assert "not in [0, 1]" in refused.output
+    assert len(captured) == 2
 
 
 def test_a_bad_setting_is_refused_with_the_reason(captured: list[ServerSettings]) -> None:

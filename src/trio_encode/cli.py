@@ -19,6 +19,7 @@ import trio
 
 from trio_encode.encoder.settings import EncoderSettings
 from trio_encode.engine import EngineError
+from trio_encode.engine.faults import FaultPlan
 from trio_encode.engine.mooncake import MooncakeSettings
 from trio_encode.logs import setup_logging
 from trio_encode.settings import MiB, ServerSettings
@@ -122,6 +123,28 @@ engine_options = _group(
         default="127.0.0.1",
         show_default=True,
         help="Address receivers reach this server's transfer engine at (its session_id host).",
+    ),
+)
+
+def _fault_plan(ctx: click.Context, param: click.Parameter, value: str | None) -> FaultPlan | None:
+    if not value:
+        return None
+    try:
+        return FaultPlan.parse(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from exc
+
+
+fault_options = _group(
+    _option(
+        "--engine-faults",
+        env="ENGINE_FAULTS",
+        default=None,
+        callback=_fault_plan,
+        metavar="PLAN",
+        help="Drills only: fail a fraction of transfer-engine calls with Mooncake's own codes, "
+        "e.g. 'register=0.01,transfer=0.02,deregister=0.001,seed=7' (or one rate for all). "
+        "Off by default; never in production.",
     ),
 )
 
@@ -359,6 +382,7 @@ def _settings(options: dict[str, Any]) -> ServerSettings:
         token=options["token"] or None,
         media_dir=options["media_dir"],
         engine=_engine_settings(options),
+        engine_faults=options["engine_faults"],
         encoder=_encoder_settings(options),
         log_level=options["log_level"].upper(),
         log_format=options["log_format"],
@@ -374,6 +398,7 @@ def cli() -> None:
 @cli.command()
 @server_options
 @engine_options
+@fault_options
 @encoder_options
 @logging_options
 def serve(**options: Any) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Literal
 
 from trio_encode.encoder.settings import EncoderSettings
+from trio_encode.engine.faults import FaultPlan
 from trio_encode.engine.mooncake import MooncakeSettings
 from trio_encode.service import ServiceSettings
 
@@ -37,6 +38,9 @@ class ServerSettings:
     media_dir: Path | None = None
     """When set, ``mm_items`` may name image files inside this directory."""
     engine: MooncakeSettings = field(default_factory=MooncakeSettings)
+    engine_faults: FaultPlan | None = None
+    """When set, the transfer engine fails this fraction of its calls with Mooncake's own
+    codes (a drill for the error paths; see ``trio_encode.engine.faults``). Off by default."""
     encoder: EncoderSettings = field(default_factory=EncoderSettings)
     log_level: str = "INFO"
     log_format: LogFormat = "kv"

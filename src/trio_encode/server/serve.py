@@ -170,8 +170,13 @@ async def run_server(settings: ServerSettings) -> ShutdownReport:
     from trio_encode.encoder import ImageEncoder
     from trio_encode.engine.mooncake import MooncakeEngine
 
-    engine = await MooncakeEngine.create(settings.engine)
+    engine: TransferEngine = await MooncakeEngine.create(settings.engine)
     log.info("transfer engine ready at %s", engine.session_id)
+    if settings.engine_faults is not None:
+        from trio_encode.engine.faults import FaultyEngine
+
+        engine = FaultyEngine(engine, settings.engine_faults)
+        log.warning("injecting engine faults: %s", settings.engine_faults)
     metrics = Metrics()
     encoder = await trio.to_thread.run_sync(
         partial(ImageEncoder.from_settings, settings.encoder_settings(), observer=metrics)
