@@ -126,6 +126,7 @@ engine_options = _group(
     ),
 )
 
+
 def _fault_plan(ctx: click.Context, param: click.Parameter, value: str | None) -> FaultPlan | None:
     if not value:
         return None

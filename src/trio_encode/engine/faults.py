@@ -69,10 +69,9 @@ class FaultPlan:
             if not equals:
                 raise ValueError(f"engine fault plan: {part!r} is not name=value")
             if name == "seed":
-                try:
-                    seed = int(value)
-                except ValueError:
-                    raise ValueError(f"engine fault plan: seed {value!r} is not an integer") from None
+                if not value.lstrip("-").isdigit():
+                    raise ValueError(f"engine fault plan: seed {value!r} is not an integer")
+                seed = int(value)
             elif name in ("register", "transfer", "deregister"):
                 fields[name] = _number(value, name)
             else:
