@@ -582,6 +582,121 @@ def bench(
         click.echo(result.table())
 
 
+@cli.command()
+@click.option(
+    "--requests", type=click.IntRange(1), default=5000, show_default=True, help="Requests to run."
+)
+@click.option(
+    "--tp", type=click.IntRange(1), default=4, show_default=True, help="Receiving prefill ranks."
+)
+@click.option(
+    "--images",
+    type=click.IntRange(2),
+    default=200,
+    show_default=True,
+    help="Distinct images the requests draw from.",
+)
+@click.option(
+    "--concurrency",
+    type=click.IntRange(1),
+    default=12,
+    show_default=True,
+    help="Requests in flight at once.",
+)
+@click.option(
+    "--warmup",
+    type=click.IntRange(0),
+    default=500,
+    show_default=True,
+    help="Requests before client faults start and the RSS level is taken.",
+)
+@click.option(
+    "--soak-send-timeout",
+    "send_timeout",
+    type=click.FloatRange(0, min_open=True),
+    default=10.0,
+    show_default=True,
+    help="The server's --send-timeout during the soak.",
+)
+@click.option(
+    "--soak-engine-faults",
+    "engine_faults",
+    default="register=0.005,transfer=0.005,seed=1",
+    show_default=True,
+    help="The server's --engine-faults during the soak ('' for none).",
+)
+@click.option(
+    "--vanish-rate",
+    type=click.FloatRange(0, 0.3),
+    default=0.01,
+    show_default=True,
+    help="Per rank and request, the chance of each way a client vanishes.",
+)
+@click.option(
+    "--freeze-seconds",
+    type=click.FloatRange(0),
+    default=8.0,
+    show_default=True,
+    help="How long one rank is SIGSTOPped (0: never).",
+)
+@click.option("--kill/--no-kill", default=True, show_default=True, help="SIGKILL one rank.")
+@click.option(
+    "--json",
+    "json_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Also write the result, with every RSS sample, to this file.",
+)
+@encoder_options
+def soak(
+    requests: int,
+    tp: int,
+    images: int,
+    concurrency: int,
+    warmup: int,
+    send_timeout: float,
+    engine_faults: str,
+    vanish_rate: float,
+    freeze_seconds: float,
+    kill: bool,
+    json_path: Path | None,
+    **options: Any,
+) -> None:
+    """Run thousands of requests against a real server while ranks freeze and die, clients
+    vanish and the engine fails calls; check every answer, byte, deadline and leak.
+
+    The server (``trio-encode serve``) and every receiver run in processes of their own. Prints
+    a table; exits non-zero if any check failed. Several minutes with the defaults.
+    """
+    setup_logging("WARNING")
+    from trio_encode.soak.run import SoakConfig, run_soak
+
+    if engine_faults:
+        _fault_plan(click.get_current_context(), click.Option(["--x"]), engine_faults)
+    try:
+        config = SoakConfig(
+            requests=requests,
+            tp=tp,
+            images=images,
+            concurrency=concurrency,
+            warmup=min(warmup, requests - 1),
+            send_timeout=send_timeout,
+            engine_faults=engine_faults,
+            vanish_rate=vanish_rate,
+            freeze_seconds=freeze_seconds,
+            kill=kill,
+            encoder=_encoder_settings(options),
+        )
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+    result = _run(run_soak, config)
+    if json_path is not None:
+        json_path.write_text(json.dumps(result.to_json(), indent=2))
+    click.echo(result.table())
+    if not result.ok:
+        raise SystemExit(1)
+
+
 def _run(fn: Callable[..., Any], *args: Any) -> Any:
     """``trio.run`` with start-up failures reported as one line, not a traceback."""
     expected = (EngineError, RuntimeError, ValueError, OSError)

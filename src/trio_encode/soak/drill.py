@@ -173,7 +173,9 @@ class Rank:
 
     async def check(self, slot: Slot, req_id: str, digests: Sequence[int]) -> bool:
         """Whether the slot holds these images' embeddings, in order; it is then marked."""
-        results = await self.receiver.check(slot.offset, self.part_bytes, list(digests))
+        results = await self.receiver.check(
+            slot.offset, self.part_bytes, list(digests), slot.nbytes
+        )
         self._checked[slot.offset] = req_id
         return all(results)
 

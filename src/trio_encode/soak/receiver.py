@@ -9,9 +9,10 @@ and an address in its pool.
 
 The child is a plain loop over JSON lines on stdin (no event loop: nothing to interleave):
 
-- ``{"op": "check", "offset", "part", "digests"}``: do the ``len(digests)`` parts of ``part``
-  bytes from ``offset`` on have these xxh3-64 digests? Answers ``{"ok": [bool, ...]}`` and then
-  fills the range with :data:`MARKER`, so a write that lands later shows;
+- ``{"op": "check", "offset", "part", "digests", "length"}``: do the ``len(digests)`` parts of
+  ``part`` bytes from ``offset`` on have these xxh3-64 digests? Answers ``{"ok": [bool, ...]}``
+  and then fills ``length`` bytes from ``offset`` with :data:`MARKER`, so a write that lands
+  later shows;
 - ``{"op": "untouched", "offset", "length"}``: is the range still all :data:`MARKER`?
 - ``{"op": "fill", "offset", "length"}``: fill it with :data:`MARKER` (answers ``{}``).
 
@@ -75,7 +76,7 @@ def _child(pool_bytes: int) -> None:
                     strict=True,
                 )
             ]
-            pool[offset : offset + part * len(ask["digests"])] = MARKER
+            pool[offset : offset + ask["length"]] = MARKER
         elif op == "untouched":
             offset, length = ask["offset"], ask["length"]
             answer["ok"] = bool((pool[offset : offset + length] == MARKER).all())
@@ -107,6 +108,8 @@ class ReceiverProcess:
         """Where its registered pool starts, in its own address space."""
         self.nbytes = 0
         self.frozen = False
+        self._thawed = trio.Event()
+        self._thawed.set()
         self._lock = trio.Lock()
         self._buffer = b""
 
@@ -143,9 +146,12 @@ class ReceiverProcess:
         line, self._buffer = self._buffer.split(b"\n", 1)
         return line
 
-    async def check(self, offset: int, part: int, digests: list[int]) -> list[bool]:
-        """Whether each part landed with its digest; the range is then filled with MARKER."""
-        answer = await self.ask(op="check", offset=offset, part=part, digests=digests)
+    async def check(self, offset: int, part: int, digests: list[int], length: int) -> list[bool]:
+        """Whether each part landed with its digest; ``length`` bytes from ``offset`` are then
+        filled with MARKER."""
+        answer = await self.ask(
+            op="check", offset=offset, part=part, digests=digests, length=length
+        )
         return [bool(ok) for ok in answer["ok"]]
 
     async def untouched(self, offset: int, length: int) -> bool:
@@ -158,16 +164,23 @@ class ReceiverProcess:
     def freeze(self) -> None:
         """SIGSTOP: its engine stops answering, as a wedged host's would."""
         self.frozen = True
+        self._thawed = trio.Event()
         self.process.send_signal(signal.SIGSTOP)
 
     def thaw(self) -> None:
         self.process.send_signal(signal.SIGCONT)
         self.frozen = False
+        self._thawed.set()
+
+    async def wait_thawed(self) -> None:
+        """Return at once unless frozen; then when thawed (or killed)."""
+        await self._thawed.wait()
 
     def kill(self) -> None:
         """SIGKILL: its engine's port closes, as a crashed rank's would."""
-        self.frozen = False
         self.process.kill()
+        self.frozen = False
+        self._thawed.set()
 
 
 @asynccontextmanager
