@@ -88,6 +88,23 @@ server_options = _group(
         "(/health and /metrics stay open).",
     ),
     _option(
+        "--malloc-arenas",
+        env="MALLOC_ARENAS",
+        type=click.IntRange(1),
+        default=2,
+        show_default=True,
+        help="glibc malloc arenas for the server process; more let RSS climb far above the "
+        "memory actually held.",
+    ),
+    _option(
+        "--heap-trim-seconds",
+        env="HEAP_TRIM_SECONDS",
+        type=click.FloatRange(0),
+        default=1.0,
+        show_default=True,
+        help="How often free heap pages are returned to the system (0: never).",
+    ),
+    _option(
         "--media-dir",
         env="MEDIA_DIR",
         type=click.Path(exists=True, file_okay=False, path_type=Path),
@@ -382,6 +399,8 @@ def _settings(options: dict[str, Any]) -> ServerSettings:
         max_body_bytes=options["max_body_bytes"],
         token=options["token"] or None,
         media_dir=options["media_dir"],
+        malloc_arenas=options["malloc_arenas"],
+        heap_trim_seconds=options["heap_trim_seconds"],
         engine=_engine_settings(options),
         engine_faults=options["engine_faults"],
         encoder=_encoder_settings(options),

@@ -44,6 +44,12 @@ class ServerSettings:
     encoder: EncoderSettings = field(default_factory=EncoderSettings)
     log_level: str = "INFO"
     log_format: LogFormat = "kv"
+    malloc_arenas: int | None = 2
+    """glibc malloc arenas for the whole ``trio-encode serve`` process; None keeps glibc's
+    default (8 per core), under which RSS climbs far above the live data
+    (see ``trio_encode.server.heap``)."""
+    heap_trim_seconds: float = 1.0
+    """How often the free pages inside malloc's heaps go back to the system; 0 never."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -54,6 +60,10 @@ class ServerSettings:
             raise ValueError(f"shutdown_grace must be >= 0, got {self.shutdown_grace}")
         if self.max_body_bytes <= 0:
             raise ValueError(f"max_body_bytes must be positive, got {self.max_body_bytes}")
+        if self.malloc_arenas is not None and self.malloc_arenas < 1:
+            raise ValueError(f"malloc_arenas must be >= 1, got {self.malloc_arenas}")
+        if self.heap_trim_seconds < 0:
+            raise ValueError(f"heap_trim_seconds must be >= 0, got {self.heap_trim_seconds}")
         if self.token == "":
             raise ValueError("token must not be empty (leave it unset to disable auth)")
 

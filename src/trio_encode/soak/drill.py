@@ -164,12 +164,19 @@ class Rank:
         """A free slot for one request; on exit it rests (a task in ``nursery``) and is
         checked for late writes before it is free again."""
         while not self._free:
+            if not self.receiver.alive:
+                raise ReceiverGone(f"receiver {self.name} is gone")
             await self._returned.wait()
         slot = self._free.pop()
         try:
             yield slot
         finally:
             nursery.start_soon(self._rest, slot)
+
+    def kill(self) -> None:
+        """SIGKILL the receiver; whoever waits for one of its slots gets ReceiverGone."""
+        self.receiver.kill()
+        self._returned.set()
 
     async def check(self, slot: Slot, req_id: str, digests: Sequence[int]) -> bool:
         """Whether the slot holds these images' embeddings, in order; it is then marked."""
@@ -190,7 +197,8 @@ class Rank:
                     self.late_writes.append(str(checked_by))
                 await self.receiver.fill(slot.offset, slot.nbytes)
             except ReceiverGone:
-                return  # a killed rank's slots die with it
+                self._returned.set()  # wake whoever waits for a slot: there will be none
+                return
             slot.dirty = False
             self._free.append(slot)
             self._returned.set()

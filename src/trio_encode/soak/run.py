@@ -111,7 +111,7 @@ class Counts:
     vanished_after_encode: int = 0
     vanished_mid_send: int = 0
     receivers_gone: int = 0
-    """Checks that could not be made: the rank had been killed."""
+    """Rank flows cut short because their receiver had been killed."""
 
 
 @dataclass
@@ -212,6 +212,9 @@ def server_environment(config: SoakConfig) -> dict[str, str]:
     return env
 
 
+_LEVEL_SECONDS = 5.0
+
+
 class _Soak:
     def __init__(self, config: SoakConfig, workload: Workload, server: ServerProcess) -> None:
         self.config = config
@@ -283,7 +286,21 @@ class _Soak:
         nursery: trio.Nursery,
     ) -> None:
         rank = self.ranks[r]
-        name = f"{rank.name}"
+        try:
+            await self._rank_calls(http, req_id, images, rank, vanish, nursery)
+        except ReceiverGone:
+            self.counts.receivers_gone += 1  # killed: the rest of its calls never happen
+
+    async def _rank_calls(
+        self,
+        http: httpx.AsyncClient,
+        req_id: str,
+        images: list[int],
+        rank: Rank,
+        vanish: str | None,
+        nursery: trio.Nursery,
+    ) -> None:
+        name = rank.name
         await rank.receiver.wait_thawed()  # a frozen rank makes no calls
         body = {
             "req_id": req_id,
@@ -322,14 +339,11 @@ class _Soak:
             if send.status != 200:
                 slot.dirty = True
                 return
-            try:
-                digests = [self.workload.digests[i] for i in images]
-                if not await rank.check(slot, req_id, digests):
-                    self.violations.append(f"{req_id} {name}: 200 but the bytes differ")
-                else:
-                    self.checked_bytes += len(images) * self.workload.bytes_per_image
-            except ReceiverGone:
-                self.counts.receivers_gone += 1
+            digests = [self.workload.digests[i] for i in images]
+            if not await rank.check(slot, req_id, digests):
+                self.violations.append(f"{req_id} {name}: 200 but the bytes differ")
+            else:
+                self.checked_bytes += len(images) * self.workload.bytes_per_image
 
     async def _cut_off_body(self, body: dict[str, Any]) -> None:
         raw = json.dumps(body).encode()
@@ -464,7 +478,7 @@ async def _drive(
                 requests.start_soon(soak.freeze, 1 % config.tp)
             if index == kill_at and config.kill:
                 victim = soak.ranks[-1]
-                victim.receiver.kill()
+                victim.kill()
                 receiver = await stack.enter_async_context(
                     open_receiver(victim.receiver.nbytes, name=f"{victim.name}'")
                 )
@@ -513,10 +527,13 @@ def _result(soak: _Soak, drained: tuple[float, float, str], *, http_metrics: str
         ]
     if left_scopes or left_registrations:
         violations.append(f"after drain: {left_scopes:.0f} scopes, {left_registrations:.0f} regs")
-    warm_at = soak.warm_at or soak.started
-    after = [rss for t, _, rss in soak.rss_samples if t + soak.started >= warm_at]
-    level = after[0] if after else 0
-    peak = max(after, default=0)
+    # The level: the median of the samples in the first seconds after the warm-up (one sample
+    # alone may catch the heap just before or after a trim).
+    warm_at = (soak.warm_at or soak.started) - soak.started
+    first = [rss for t, _, rss in soak.rss_samples if warm_at <= t < warm_at + _LEVEL_SECONDS]
+    later = [rss for t, _, rss in soak.rss_samples if t >= warm_at + _LEVEL_SECONDS]
+    level = int(statistics.median(first)) if first else 0
+    peak = max(later, default=level)
     if level and peak > level * (1 + config.rss_tolerance):
         violations.append(
             f"RSS rose to {peak / 2**20:.0f} MiB from {level / 2**20:.0f} MiB after warm-up"
