@@ -29,6 +29,8 @@ SETTINGS = {
     "--max-body-bytes": "TRIO_ENCODE_MAX_BODY_BYTES",
     "--token": "TRIO_ENCODE_TOKEN",
     "--media-dir": "TRIO_ENCODE_MEDIA_DIR",
+    "--malloc-arenas": "TRIO_ENCODE_MALLOC_ARENAS",
+    "--heap-trim-seconds": "TRIO_ENCODE_HEAP_TRIM_SECONDS",
     "--engine-protocol": "TRIO_ENCODE_ENGINE_PROTOCOL",
     "--engine-metadata-server": "TRIO_ENCODE_ENGINE_METADATA_SERVER",
     "--engine-device": "TRIO_ENCODE_ENGINE_DEVICE",
@@ -94,6 +96,7 @@ def test_the_flag_wins_over_the_variable_and_the_variable_over_the_default(
     assert settings.engine.protocol == "rdma"
     assert settings.host == "127.0.0.1"  # default
     assert settings.engine.metadata_server == "P2PHANDSHAKE"
+    assert (settings.malloc_arenas, settings.heap_trim_seconds) == (2, 1.0)
     assert "0 cut short" in result.output
 
 

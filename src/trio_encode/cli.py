@@ -1,5 +1,6 @@
 """``trio-encode``: ``serve`` runs the encode server; ``demo`` proves a whole round trip;
-``bench`` measures the served paths against their raw parts.
+``bench`` measures the served paths against their raw parts; ``soak`` runs thousands of
+requests against a server process while ranks freeze and die and clients vanish.
 
 Every setting is a flag and a ``TRIO_ENCODE_*`` environment variable (the flag wins; click's
 order of precedence). Options come in groups, each a decorator, so a module that adds settings
