@@ -148,6 +148,21 @@ def test_engine_faults_are_off_unless_asked_for(captured: list[ServerSettings]) 
     assert len(captured) == 2
 
 
+@pytest.mark.parametrize(
+    ("args", "reason"),
+    [
+        (["--requests", "0"], "--requests"),
+        (["--soak-engine-faults", "transfer=2"], "not in [0, 1]"),
+        (["--vanish-rate", "0.5"], "--vanish-rate"),
+    ],
+)
+def test_soak_refuses_bad_options_before_starting_anything(args: list[str], reason: str) -> None:
+    result = CliRunner().invoke(cli, ["soak", *args])
+    assert result.exit_code == 2
+    assert reason in result.output
+    assert "Traceback" not in result.output
+
+
 def test_a_bad_setting_is_refused_with_the_reason(captured: list[ServerSettings]) -> None:
     result = CliRunner().invoke(cli, ["serve", "--send-timeout", "0"])
     assert result.exit_code == 2

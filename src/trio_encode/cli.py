@@ -691,9 +691,9 @@ def soak(
     setup_logging("WARNING")
     from trio_encode.soak.run import SoakConfig, run_soak
 
-    if engine_faults:
-        _fault_plan(click.get_current_context(), click.Option(["--x"]), engine_faults)
     try:
+        if engine_faults:
+            FaultPlan.parse(engine_faults)  # refused here, not by the server it starts
         config = SoakConfig(
             requests=requests,
             tp=tp,
