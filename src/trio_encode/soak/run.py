@@ -127,9 +127,12 @@ class SoakResult:
     left_registrations: float
     rss_after_warmup: int
     rss_max_after_warmup: int
-    """The highest RSS after the warm-up, outside the frozen rank's window."""
+    """The highest 10-s median RSS after the warm-up, outside the frozen rank's window."""
     rss_max_while_frozen: int
-    """The highest RSS from the freeze until the deadlines of the requests it held passed."""
+    """The highest 10-s median from the freeze until the deadlines of the requests it held
+    up passed."""
+    rss_peak_sample: int
+    """The highest single RSS sample after the warm-up, for the record."""
     rss_after_drain: int
     rss_samples: list[tuple[float, int, int]]
     """(seconds since start, requests done, RSS bytes)."""
@@ -184,9 +187,10 @@ class SoakResult:
             f"deadline: slowest call {self.slowest_call:.2f} s",
             f"left after drain: {self.left_scopes:.0f} scopes, "
             f"{self.left_registrations:.0f} registrations",
-            f"server RSS: {self.rss_after_warmup / mib:.0f} MiB after warm-up, max "
-            f"{self.rss_max_after_warmup / mib:.0f} MiB after it ({self.rss_ratio:.3f}x; "
-            f"{self.rss_max_while_frozen / mib:.0f} MiB while a rank's requests were held), "
+            f"server RSS (10-s medians): {self.rss_after_warmup / mib:.0f} MiB after warm-up, "
+            f"max {self.rss_max_after_warmup / mib:.0f} MiB after it ({self.rss_ratio:.3f}x; "
+            f"{self.rss_max_while_frozen / mib:.0f} MiB while a rank's requests were held); "
+            f"highest sample {self.rss_peak_sample / mib:.0f} MiB; "
             f"{self.rss_after_drain / mib:.0f} MiB after drain",
             f"probe while a rank was frozen: median {self.probe_frozen_median * 1000:.1f} ms "
             f"({self.probe_frozen_count} probes) vs {self.probe_baseline_median * 1000:.1f} ms "
@@ -219,7 +223,23 @@ def server_environment(config: SoakConfig) -> dict[str, str]:
     return env
 
 
-_LEVEL_SECONDS = 5.0
+RSS_WINDOW = 10.0
+"""Seconds of RSS samples whose median is one reading of the level."""
+
+
+def _rss_windows(samples: list[tuple[float, int]]) -> list[tuple[float, int]]:
+    """``(start, median RSS)`` of consecutive ``RSS_WINDOW``-second windows."""
+    windows: list[tuple[float, int]] = []
+    start: float | None = None
+    current: list[int] = []
+    for t, rss in samples:
+        if start is None:
+            start = t
+        if t >= start + RSS_WINDOW:
+            windows.append((start, int(statistics.median(current))))
+            start, current = t, []
+        current.append(rss)
+    return windows
 
 
 class _Soak:
@@ -549,23 +569,23 @@ def _result(soak: _Soak, drained: tuple[float, float, str], *, http_metrics: str
         ]
     if left_scopes or left_registrations:
         violations.append(f"after drain: {left_scopes:.0f} scopes, {left_registrations:.0f} regs")
-    # The level: the median of the samples in the first seconds after the warm-up (one sample
-    # alone may catch the heap just before or after a trim).
+    # RSS moves with the live data (queued images, embeddings of requests in flight) by tens
+    # of MB from one second to the next; what must not happen is the level drifting up. So
+    # the level is the median over a window, and every later window's median is bounded.
     warm_at = (soak.warm_at or soak.started) - soak.started
-    first = [rss for t, _, rss in soak.rss_samples if warm_at <= t < warm_at + _LEVEL_SECONDS]
-    later = [(t, rss) for t, _, rss in soak.rss_samples if t >= warm_at + _LEVEL_SECONDS]
-    level = int(statistics.median(first)) if first else 0
-    # While a rank is frozen, and until the deadlines of the requests it held up have passed,
-    # the server holds more live embeddings by design: that window is reported, not bounded.
     held = (0.0, 0.0)
     if soak.freeze_window is not None:
+        # While a rank is frozen, and until the deadlines of the requests it held up have
+        # passed, the server holds more live embeddings by design: reported, not bounded.
         held = (
             soak.freeze_window[0] - soak.started,
             soak.freeze_window[1] - soak.started + config.deadline_bound,
         )
-    steady = [rss for t, rss in later if not held[0] <= t < held[1]]
+    windows = _rss_windows([(t, rss) for t, _, rss in soak.rss_samples if t >= warm_at])
+    level = windows[0][1] if windows else 0
+    steady = [rss for t, rss in windows[1:] if not held[0] <= t < held[1]]
     peak = max(steady, default=level)
-    peak_frozen = max((rss for t, rss in later if held[0] <= t < held[1]), default=0)
+    peak_frozen = max((rss for t, rss in windows if held[0] <= t < held[1]), default=0)
     if level and peak > level * (1 + config.rss_tolerance):
         violations.append(
             f"RSS rose to {peak / 2**20:.0f} MiB from {level / 2**20:.0f} MiB after warm-up"
@@ -611,6 +631,7 @@ def _result(soak: _Soak, drained: tuple[float, float, str], *, http_metrics: str
         rss_after_warmup=level,
         rss_max_after_warmup=peak,
         rss_max_while_frozen=peak_frozen,
+        rss_peak_sample=max((rss for t, _, rss in soak.rss_samples if t >= warm_at), default=0),
         rss_after_drain=soak.server.rss(),
         rss_samples=soak.rss_samples,
         probe_baseline_median=baseline,
