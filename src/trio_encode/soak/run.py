@@ -39,7 +39,7 @@ import trio
 from trio_encode.client import metric_value
 from trio_encode.encoder import EncoderSettings
 from trio_encode.soak.drill import Call, Rank, Workload, post
-from trio_encode.soak.receiver import ReceiverGone, open_receiver
+from trio_encode.soak.receiver import ReceiverGone, ReceiverProcess, open_receiver
 from trio_encode.soak.server import ServerProcess, open_server_process
 
 P = "trio_encode_"
@@ -263,6 +263,8 @@ class _Soak:
         self.pace = 0.0
         """Seconds between two requests' starts while a rank is frozen (0: no pacing)."""
         self.detached = 0
+        self.session_ids: set[str] = set()
+        """Every receiver's ``session_id`` so far."""
         self.all_done = trio.Event()
         """Rank flows of requests dispatched while their rank was frozen, still running."""
 
@@ -481,7 +483,9 @@ async def run_soak(config: SoakConfig) -> SoakResult:
                 open_receiver(slots * slot_bytes, name=f"rank{r}")
             )
             soak.ranks.append(Rank(receiver, slot_bytes, part, dirty_seconds=config.deadline_bound))
+            soak.session_ids.add(receiver.session_id)
         probe_receiver = await stack.enter_async_context(open_receiver(8 * part, name="probe"))
+        soak.session_ids.add(probe_receiver.session_id)
         probe_rank = Rank(probe_receiver, part, part, dirty_seconds=config.deadline_bound)
         limits = httpx.Limits(max_connections=4 * config.concurrency * config.tp)
         http = await stack.enter_async_context(
@@ -521,9 +525,7 @@ async def _drive(
             if index == kill_at and config.kill:
                 victim = soak.ranks[-1]
                 victim.kill()
-                receiver = await stack.enter_async_context(
-                    open_receiver(victim.receiver.nbytes, name=f"{victim.name}'")
-                )
+                receiver = await _fresh_receiver(stack, victim, soak.session_ids)
                 soak.ranks[-1] = Rank(
                     receiver,
                     victim.slot_bytes,
@@ -540,6 +542,23 @@ async def _drive(
             requests.start_soon(one, index)
         await soak.all_done.wait()
         requests.cancel_scope.cancel()  # the probe
+
+
+async def _fresh_receiver(stack: AsyncExitStack, victim: Rank, used: set[str]) -> ReceiverProcess:
+    """A receiver to replace ``victim``, on a ``session_id`` no earlier rank had.
+
+    In one soak every transfer into a replacement rank failed with -1 for the rest of the run;
+    the suspected cause is a new process on a dead one's port, whose old descriptor the
+    server's engine still holds (see ``docs/operations.md``). The soak avoids it.
+    """
+    for attempt in range(5):
+        receiver = await stack.enter_async_context(
+            open_receiver(victim.receiver.nbytes, name=f"{victim.name}'{attempt}")
+        )
+        if receiver.session_id not in used:
+            used.add(receiver.session_id)
+            return receiver
+    raise RuntimeError("no fresh session_id for a replacement rank after 5 receivers")
 
 
 async def _drain(soak: _Soak, http: httpx.AsyncClient) -> tuple[float, float, str]:
