@@ -496,7 +496,7 @@ async def run_soak(config: SoakConfig) -> SoakResult:
             await _drive(soak, http, background, stack, probe_rank)
             drained = await _drain(soak, http)
             background.cancel_scope.cancel()
-        return _result(soak, drained, http_metrics=drained[2])
+        return _result(soak, drained)
 
 
 async def _drive(
@@ -578,7 +578,7 @@ async def _drain(soak: _Soak, http: httpx.AsyncClient) -> tuple[float, float, st
     return left[0], left[1], text
 
 
-def _result(soak: _Soak, drained: tuple[float, float, str], *, http_metrics: str) -> SoakResult:
+def _result(soak: _Soak, drained: tuple[float, float, str]) -> SoakResult:
     config = soak.config
     left_scopes, left_registrations, text = drained
     violations = list(soak.violations)
@@ -634,7 +634,7 @@ def _result(soak: _Soak, drained: tuple[float, float, str], *, http_metrics: str
     engine_errors = {}
     for call_name in ("register", "transfer", "deregister"):
         for code in ("-1", "-3", "-7"):
-            value = metric_value(http_metrics, P + "engine_errors_total", call=call_name, code=code)
+            value = metric_value(text, P + "engine_errors_total", call=call_name, code=code)
             if value:
                 engine_errors[f"{call_name} {code}"] = value
     return SoakResult(
