@@ -129,8 +129,8 @@ class SoakResult:
     rss_max_after_warmup: int
     """The highest 10-s median RSS after the warm-up, outside the frozen rank's window."""
     rss_max_while_frozen: int
-    """The highest 10-s median from the freeze until the deadlines of the requests it held
-    up passed."""
+    """The highest 10-s median from the freeze (or the kill) until the deadlines of the
+    requests that rank held up passed."""
     rss_peak_sample: int
     """The highest single RSS sample after the warm-up, for the record."""
     rss_after_drain: int
@@ -189,7 +189,8 @@ class SoakResult:
             f"{self.left_registrations:.0f} registrations",
             f"server RSS (10-s medians): {self.rss_after_warmup / mib:.0f} MiB after warm-up, "
             f"max {self.rss_max_after_warmup / mib:.0f} MiB after it ({self.rss_ratio:.3f}x; "
-            f"{self.rss_max_while_frozen / mib:.0f} MiB while a rank's requests were held); "
+            f"{self.rss_max_while_frozen / mib:.0f} MiB while a frozen or dead rank's requests "
+            "were held); "
             f"highest sample {self.rss_peak_sample / mib:.0f} MiB; "
             f"{self.rss_after_drain / mib:.0f} MiB after drain",
             f"probe while a rank was frozen: median {self.probe_frozen_median * 1000:.1f} ms "
@@ -258,6 +259,7 @@ class _Soak:
         self.started = time.monotonic()
         self.warm_at: float | None = None
         self.freeze_window: tuple[float, float] | None = None
+        self.killed_at: float | None = None
         self.finished: list[float] = []
         """When each request's calls (but a frozen rank's) were done."""
         self.pace = 0.0
@@ -525,6 +527,7 @@ async def _drive(
             if index == kill_at and config.kill:
                 victim = soak.ranks[-1]
                 victim.kill()
+                soak.killed_at = time.monotonic()
                 receiver = await _fresh_receiver(stack, victim, soak.session_ids)
                 soak.ranks[-1] = Rank(
                     receiver,
@@ -592,19 +595,27 @@ def _result(soak: _Soak, drained: tuple[float, float, str]) -> SoakResult:
     # of MB from one second to the next; what must not happen is the level drifting up. So
     # the level is the median over a window, and every later window's median is bounded.
     warm_at = (soak.warm_at or soak.started) - soak.started
-    held = (0.0, 0.0)
+    # From a freeze or a kill until the deadlines of the requests that rank held up have
+    # passed, the server holds more live embeddings by design: reported, not bounded. (A
+    # window's median is kept out when the window starts in that span or overlaps its start.)
+    held = []
     if soak.freeze_window is not None:
-        # While a rank is frozen, and until the deadlines of the requests it held up have
-        # passed, the server holds more live embeddings by design: reported, not bounded.
-        held = (
-            soak.freeze_window[0] - soak.started,
-            soak.freeze_window[1] - soak.started + config.deadline_bound,
-        )
+        held.append((soak.freeze_window[0], soak.freeze_window[1]))
+    if soak.killed_at is not None:
+        held.append((soak.killed_at, soak.killed_at))
+    spans = [
+        (start - soak.started - RSS_WINDOW, end - soak.started + config.deadline_bound)
+        for start, end in held
+    ]
+
+    def holding(t: float) -> bool:
+        return any(start < t < end for start, end in spans)
+
     windows = _rss_windows([(t, rss) for t, _, rss in soak.rss_samples if t >= warm_at])
     level = windows[0][1] if windows else 0
-    steady = [rss for t, rss in windows[1:] if not held[0] <= t < held[1]]
+    steady = [rss for t, rss in windows[1:] if not holding(t)]
     peak = max(steady, default=level)
-    peak_frozen = max((rss for t, rss in windows if held[0] <= t < held[1]), default=0)
+    peak_frozen = max((rss for t, rss in windows if holding(t)), default=0)
     if level and peak > level * (1 + config.rss_tolerance):
         violations.append(
             f"RSS rose to {peak / 2**20:.0f} MiB from {level / 2**20:.0f} MiB after warm-up"
