@@ -71,6 +71,16 @@ def explore(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
+def soak(session: nox.Session) -> None:
+    """``trio-encode soak``: 5,000 requests against a real server and TP=4 receiver processes
+    while ranks freeze and die, clients vanish and the engine fails calls; every answer, byte,
+    deadline and leak checked, RSS and latency bounded (several minutes on 2 cores). Arguments
+    after ``--`` go to the command, e.g. ``nox -s soak -- --json soak.json``."""
+    _install(session, "mooncake")
+    session.run("trio-encode", "soak", *session.posargs, env={"MC_LOG_LEVEL": "ERROR"})
+
+
+@nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
     """``trio-encode bench``: served /send against raw Mooncake transfers and an asyncio peer,
     /encode against the raw forward, a /health probe and peak RSS (several minutes on 2 cores;

@@ -18,6 +18,7 @@ from click.testing import CliRunner
 import trio_encode.server.serve
 from trio_encode.cli import cli
 from trio_encode.encoder import EncoderSettings
+from trio_encode.engine.faults import FaultPlan
 from trio_encode.service import ShutdownReport
 from trio_encode.settings import ServerSettings
 
@@ -29,6 +30,8 @@ SETTINGS = {
     "--max-body-bytes": "TRIO_ENCODE_MAX_BODY_BYTES",
     "--token": "TRIO_ENCODE_TOKEN",
     "--media-dir": "TRIO_ENCODE_MEDIA_DIR",
+    "--malloc-arenas": "TRIO_ENCODE_MALLOC_ARENAS",
+    "--heap-trim-seconds": "TRIO_ENCODE_HEAP_TRIM_SECONDS",
     "--engine-protocol": "TRIO_ENCODE_ENGINE_PROTOCOL",
     "--engine-metadata-server": "TRIO_ENCODE_ENGINE_METADATA_SERVER",
     "--engine-device": "TRIO_ENCODE_ENGINE_DEVICE",
@@ -40,6 +43,7 @@ SETTINGS = {
     "--remember-released": "TRIO_ENCODE_REMEMBER_RELEASED",
     "--remember-seconds": "TRIO_ENCODE_REMEMBER_SECONDS",
     "--warmup": "TRIO_ENCODE_WARMUP",
+    "--engine-faults": "TRIO_ENCODE_ENGINE_FAULTS",
     "--log-level": "TRIO_ENCODE_LOG_LEVEL",
     "--image-size": "TRIO_ENCODE_IMAGE_SIZE",
     "--patch-size": "TRIO_ENCODE_PATCH_SIZE",
@@ -114,6 +118,7 @@ def test_the_flag_wins_over_the_variable_and_the_variable_over_the_default(
     assert settings.host == "127.0.0.1"  # default
     assert settings.engine.metadata_server == "P2PHANDSHAKE"
     assert (settings.access_log, settings.engine.log_level) == (True, "ERROR")  # defaults
+    assert (settings.malloc_arenas, settings.heap_trim_seconds) == (2, 1.0)
     assert "0 cut short" in result.output
 
 
@@ -199,6 +204,34 @@ def test_encoder_settings_that_do_not_fit_together_are_a_usage_error(
     assert "not a multiple of patch_size" in result.output
     assert "Traceback" not in result.output
     assert not captured
+
+
+def test_engine_faults_are_off_unless_asked_for(captured: list[ServerSettings]) -> None:
+    assert CliRunner().invoke(cli, ["serve"]).exit_code == 0
+    env = {"TRIO_ENCODE_ENGINE_FAULTS": "register=0.01,transfer=0.02,seed=3"}
+    assert CliRunner().invoke(cli, ["serve"], env=env).exit_code == 0
+    off, on = captured
+    assert off.engine_faults is None
+    assert on.engine_faults == FaultPlan(register=0.01, transfer=0.02, seed=3)
+    refused = CliRunner().invoke(cli, ["serve", "--engine-faults", "transfer=3"])
+    assert refused.exit_code == 2
+    assert "not in [0, 1]" in refused.output
+    assert len(captured) == 2
+
+
+@pytest.mark.parametrize(
+    ("args", "reason"),
+    [
+        (["--requests", "0"], "--requests"),
+        (["--soak-engine-faults", "transfer=2"], "not in [0, 1]"),
+        (["--vanish-rate", "0.5"], "--vanish-rate"),
+    ],
+)
+def test_soak_refuses_bad_options_before_starting_anything(args: list[str], reason: str) -> None:
+    result = CliRunner().invoke(cli, ["soak", *args])
+    assert result.exit_code == 2
+    assert reason in result.output
+    assert "Traceback" not in result.output
 
 
 def test_a_bad_setting_is_refused_with_the_reason(captured: list[ServerSettings]) -> None:

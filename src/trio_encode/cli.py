@@ -1,5 +1,6 @@
 """``trio-encode``: ``serve`` runs the encode server; ``demo`` proves a whole round trip;
-``bench`` measures the served paths against their raw parts.
+``bench`` measures the served paths against their raw parts; ``soak`` runs thousands of
+requests against a server process while ranks freeze and die and clients vanish.
 
 No option is declared here: each is generated from a settings field (its type, default, bounds
 and help), so a setting added to a model is a flag at once. ``serve`` reads flags, then
@@ -371,6 +372,123 @@ def fleet(
     outcome = _run(run_fleet_demo, config)
     click.echo(outcome.table())
     if not outcome.ok:
+        raise SystemExit(1)
+
+
+@cli.command(cls=GroupedCommand)
+@click.option(
+    "--requests", type=click.IntRange(1), default=5000, show_default=True, help="Requests to run."
+)
+@click.option(
+    "--tp", type=click.IntRange(1), default=4, show_default=True, help="Receiving prefill ranks."
+)
+@click.option(
+    "--images",
+    type=click.IntRange(2),
+    default=200,
+    show_default=True,
+    help="Distinct images the requests draw from.",
+)
+@click.option(
+    "--concurrency",
+    type=click.IntRange(1),
+    default=12,
+    show_default=True,
+    help="Requests in flight at once.",
+)
+@click.option(
+    "--warmup",
+    type=click.IntRange(0),
+    default=500,
+    show_default=True,
+    help="Requests before client faults start and the RSS level is taken.",
+)
+@click.option(
+    "--soak-send-timeout",
+    "send_timeout",
+    type=click.FloatRange(0, min_open=True),
+    default=10.0,
+    show_default=True,
+    help="The server's --send-timeout during the soak.",
+)
+@click.option(
+    "--soak-engine-faults",
+    "engine_faults",
+    default="register=0.005,transfer=0.005,seed=1",
+    show_default=True,
+    help="The server's --engine-faults during the soak ('' for none).",
+)
+@click.option(
+    "--vanish-rate",
+    type=click.FloatRange(0, 0.3),
+    default=0.01,
+    show_default=True,
+    help="Per rank and request, the chance of each way a client vanishes.",
+)
+@click.option(
+    "--freeze-seconds",
+    type=click.FloatRange(0),
+    default=8.0,
+    show_default=True,
+    help="How long one rank is SIGSTOPped (0: never).",
+)
+@click.option("--kill/--no-kill", default=True, show_default=True, help="SIGKILL one rank.")
+@click.option(
+    "--json",
+    "json_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Also write the result, with every RSS sample, to this file.",
+)
+@server_options("model")
+def soak(
+    requests: int,
+    tp: int,
+    images: int,
+    concurrency: int,
+    warmup: int,
+    send_timeout: float,
+    engine_faults: str,
+    vanish_rate: float,
+    freeze_seconds: float,
+    kill: bool,
+    json_path: Path | None,
+    **options: Any,
+) -> None:
+    """Run thousands of requests against a real server while ranks freeze and die, clients
+    vanish and the engine fails calls; check every answer, byte, deadline and leak.
+
+    The server (``trio-encode serve``) and every receiver run in processes of their own. Prints
+    a table; exits non-zero if any check failed. Several minutes with the defaults.
+    """
+    setup_logging("WARNING")
+    from trio_encode.engine.faults import FaultPlan
+    from trio_encode.soak.run import SoakConfig, run_soak
+
+    settings = load_settings(given(options))
+    try:
+        if engine_faults:
+            FaultPlan.parse(engine_faults)  # refused here, not by the server it starts
+        config = SoakConfig(
+            requests=requests,
+            tp=tp,
+            images=images,
+            concurrency=concurrency,
+            warmup=min(warmup, requests - 1),
+            send_timeout=send_timeout,
+            engine_faults=engine_faults,
+            vanish_rate=vanish_rate,
+            freeze_seconds=freeze_seconds,
+            kill=kill,
+            encoder=settings.encoder,
+        )
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+    result = _run(run_soak, config)
+    if json_path is not None:
+        json_path.write_text(json.dumps(result.to_json(), indent=2))
+    click.echo(result.table())
+    if not result.ok:
         raise SystemExit(1)
 
 

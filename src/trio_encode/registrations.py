@@ -171,11 +171,17 @@ class RegistrationLedger:
             self._forget(region)
 
     async def retry_quarantined(self) -> None:
-        """Try once more to deregister every quarantined region (shielded)."""
+        """Try once more to deregister every quarantined region (shielded). A region being
+        retried is "deregistering" meanwhile, so a concurrent retry (the periodic one and
+        shutdown's) never asks the engine twice for the same region."""
         for region in self._quarantined():
+            if region.state != "quarantined":
+                continue  # another retry took it while this one waited on the engine
+            region.state = "deregistering"
+            region.settled = trio.Event()
             with trio.CancelScope(shield=True):
                 try:
-                    await self._engine.deregister(region.address)
+                    await self._timed("deregister", self._engine.deregister(region.address))
                 except EngineError as exc:
                     self._observer.engine_error(exc.call, exc.code)
                     if exc.code != INVALID_ADDRESS:
@@ -185,6 +191,8 @@ class RegistrationLedger:
                             region.length,
                             exc,
                         )
+                        region.state = "quarantined"
+                        region.settled.set()
                         continue
                 else:
                     self._observer.deregistered(region.address)

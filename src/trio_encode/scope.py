@@ -333,10 +333,9 @@ class RequestScope:
             if exc.call == "transfer":  # the ledger counts its own register failures
                 self._observer.engine_error(exc.call, exc.code)
             log.error("send failed: %s", exc, extra={"req_id": self.req_id})
-            # Without its traceback: its frames hold the embedding (and this attempt, a cycle).
-            attempt.error = exc.with_traceback(None)
+            attempt.error = _bare(exc)
         except RequestError as exc:
-            attempt.error = exc.with_traceback(None)
+            attempt.error = _bare(exc)
         except Exception as exc:
             self._fail_unexpectedly(exc)
         finally:
@@ -442,3 +441,13 @@ class RequestScope:
         if reason == "shutdown" or reason is None:
             return ShuttingDown("the server is shutting down", req_id=self.req_id)
         return RequestReleased(f"the request has ended ({reason})", req_id=self.req_id)
+
+
+def _bare(error: Exception) -> Exception:
+    """``error`` without its traceback and chained exceptions, to be kept and raised again:
+    their frames hold the embedding (and the attempt keeping the error, a cycle), so memory
+    the ledger has released would stay alive until the garbage collector ran."""
+    error.__traceback__ = None
+    error.__context__ = None
+    error.__cause__ = None
+    return error

@@ -26,6 +26,7 @@ from hypercorn.config import Config
 from hypercorn.trio import serve as hypercorn_serve
 
 from trio_encode.engine import TransferEngine
+from trio_encode.server import heap
 from trio_encode.server.app import create_app
 from trio_encode.server.loading import LoadingEncoder
 from trio_encode.server.metrics import Metrics
@@ -98,6 +99,9 @@ async def serve(
             watching = trio.CancelScope()
             if handle_signals:
                 nursery.start_soon(_stop_on_signal, running, watching)
+            trimming = trio.CancelScope()
+            if settings.heap_trim_seconds > 0:
+                nursery.start_soon(_trim_heap, settings.heap_trim_seconds, trimming)
             task_status.started(running)
             await running._stop.wait()
             log.info(
@@ -107,6 +111,7 @@ async def serve(
             )
             report = await service.shutdown()
             watching.cancel()
+            trimming.cancel()
             stop_listening.set()
     leaked = service.ledger.live_registrations
     log.info(
@@ -133,6 +138,11 @@ async def _serve_http(
         shutdown_trigger=stop_listening.wait,
         task_status=task_status,
     )
+
+
+async def _trim_heap(seconds: float, trimming: trio.CancelScope) -> None:
+    with trimming:
+        await heap.trim_every(seconds)
 
 
 async def _stop_on_signal(running: RunningServer, watching: trio.CancelScope) -> None:
@@ -176,8 +186,15 @@ async def run_server(settings: ServerSettings) -> ShutdownReport:
     from trio_encode.encoder import ImageEncoder, arena_for
     from trio_encode.engine.mooncake import MooncakeEngine
 
-    engine = await MooncakeEngine.create(settings.engine)
+    if settings.malloc_arenas is not None and not heap.limit_arenas(settings.malloc_arenas):
+        log.info("malloc arenas not limited (not glibc)")
+    engine: TransferEngine = await MooncakeEngine.create(settings.engine)
     log.info("transfer engine ready at %s", engine.session_id)
+    if settings.engine_faults is not None:
+        from trio_encode.engine.faults import FaultyEngine
+
+        engine = FaultyEngine(engine, settings.engine_faults)
+        log.warning("injecting engine faults: %s", settings.engine_faults)
     metrics = Metrics()
     store = None
     if settings.encoder.store_master is not None:

@@ -1,0 +1,178 @@
+"""A transfer engine that fails a chosen fraction of calls, for soaks and fault drills.
+
+A server that has only ever seen a healthy engine has never run its error paths under load.
+:class:`FaultyEngine` wraps any :class:`TransferEngine` and makes a seeded, random fraction of
+its ``register``, ``transfer`` and ``deregister`` calls fail with the codes Mooncake itself
+returns, *before* the wrapped engine is called. So an injected failure means what a real one
+means: a refused registration holds nothing, a failed transfer moved nothing the receiver may
+trust, and a failed deregistration leaves the region registered in the engine.
+
+It is off unless a server is started with ``--engine-faults``; never enable it in production.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from trio_encode.engine.base import (
+    INVALID_ADDRESS,
+    TRANSFER_FAILED,
+    EngineCall,
+    EngineError,
+    TransferEngine,
+)
+
+log = logging.getLogger(__name__)
+
+INJECTED_CODES: dict[EngineCall, int] = {
+    "register": TRANSFER_FAILED,
+    "transfer": TRANSFER_FAILED,
+    "deregister": INVALID_ADDRESS,
+}
+"""The Mooncake return code an injected failure of each call carries: ``-1`` is what
+``register_memory`` and ``transfer_sync_write`` return when they fail, ``-3`` what
+``unregister_memory`` returns when it does not release the address."""
+
+
+@dataclass(frozen=True)
+class FaultPlan:
+    """Which fraction of each engine call fails, and the seed of the draws."""
+
+    register: float = 0.0
+    transfer: float = 0.0
+    deregister: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for call in ("register", "transfer", "deregister"):
+            rate = getattr(self, call)
+            if not 0.0 <= rate <= 1.0:
+                raise ValueError(f"engine fault rate {call}={rate} is not in [0, 1]")
+
+    @classmethod
+    def parse(cls, text: str) -> FaultPlan:
+        """``"register=0.01,transfer=0.02,deregister=0.001,seed=7"``; omitted calls never
+        fail. ``"0.01"`` alone fails that fraction of every call."""
+        text = text.strip()
+        if not text:
+            raise ValueError("an empty engine fault plan; leave the setting unset instead")
+        if "=" not in text:
+            rate = _number(text, "rate")
+            return cls(register=rate, transfer=rate, deregister=rate)
+        fields: dict[str, float] = {}
+        seed = 0
+        for part in text.split(","):
+            name, equals, value = (piece.strip() for piece in part.partition("="))
+            if not equals:
+                raise ValueError(f"engine fault plan: {part!r} is not name=value")
+            if name == "seed":
+                if not value.lstrip("-").isdigit():
+                    raise ValueError(f"engine fault plan: seed {value!r} is not an integer")
+                seed = int(value)
+            elif name in ("register", "transfer", "deregister"):
+                fields[name] = _number(value, name)
+            else:
+                raise ValueError(
+                    f"engine fault plan: unknown call {name!r} "
+                    "(register, transfer, deregister or seed)"
+                )
+        return cls(seed=seed, **fields)
+
+    def rate(self, call: EngineCall) -> float:
+        rate: float = getattr(self, call, 0.0)
+        return rate
+
+    def __str__(self) -> str:
+        return (
+            f"register={self.register},transfer={self.transfer},"
+            f"deregister={self.deregister},seed={self.seed}"
+        )
+
+
+def _number(text: str, name: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"engine fault plan: {name} {text!r} is not a number") from None
+
+
+_INJECTED = "injected by --engine-faults"
+
+
+class FaultyEngine:
+    """``engine`` with :class:`FaultPlan`'s fraction of calls refused before they reach it."""
+
+    def __init__(self, engine: TransferEngine, plan: FaultPlan) -> None:
+        self.engine = engine
+        self.plan = plan
+        self.injected: Counter[EngineCall] = Counter()
+        """Failures injected so far, by call."""
+        self._random = random.Random(plan.seed)
+
+    @property
+    def session_id(self) -> str:
+        return self.engine.session_id
+
+    def _fails(self, call: EngineCall) -> bool:
+        rate = self.plan.rate(call)
+        if rate and self._random.random() < rate:
+            self.injected[call] += 1
+            return True
+        return False
+
+    async def register(self, address: int, length: int) -> None:
+        if self._fails("register"):
+            raise EngineError(
+                "register",
+                INJECTED_CODES["register"],
+                address=address,
+                length=length,
+                session_id=self.session_id,
+                detail=_INJECTED,
+            )
+        await self.engine.register(address, length)
+
+    async def deregister(self, address: int) -> None:
+        if self._fails("deregister"):
+            raise EngineError(
+                "deregister",
+                INJECTED_CODES["deregister"],
+                address=address,
+                session_id=self.session_id,
+                detail=_INJECTED,
+            )
+        await self.engine.deregister(address)
+
+    async def transfer(
+        self, session_id: str, local_address: int, remote_address: int, length: int
+    ) -> None:
+        if self._fails("transfer"):
+            raise EngineError(
+                "transfer",
+                INJECTED_CODES["transfer"],
+                address=local_address,
+                remote_address=remote_address,
+                length=length,
+                session_id=session_id,
+                detail=_INJECTED,
+            )
+        await self.engine.transfer(session_id, local_address, remote_address, length)
+
+    async def transfer_segments(
+        self, session_id: str, segments: Sequence[tuple[int, int]], remote_address: int
+    ) -> None:
+        if self._fails("transfer"):
+            raise EngineError(
+                "transfer",
+                INJECTED_CODES["transfer"],
+                address=segments[0][0] if segments else None,
+                remote_address=remote_address,
+                length=sum(length for _, length in segments),
+                session_id=session_id,
+                detail=_INJECTED,
+            )
+        await self.engine.transfer_segments(session_id, segments, remote_address)

@@ -1,0 +1,220 @@
+"""A prefill rank's landing memory in a process of its own, so it can be paused or killed.
+
+What a frozen or dead rank does to the server depends on its *transfer engine*: a paused
+process stops answering Mooncake (a transfer into it hangs until the engine's own timeout), a
+killed one refuses connections (a transfer fails at once). So each receiver here is a real
+process with its own Mooncake engine and one registered pool, and the HTTP calls a rank would
+make are made by whoever drives it (a test, the soak), naming this process's ``session_id``
+and an address in its pool.
+
+The child is a plain loop over JSON lines on stdin (no event loop: nothing to interleave):
+
+- ``{"op": "check", "offset", "part", "digests", "length"}``: do the ``len(digests)`` parts of
+  ``part`` bytes from ``offset`` on have these xxh3-64 digests? Answers ``{"ok": [bool, ...]}``
+  and then fills ``length`` bytes from ``offset`` with :data:`MARKER`, so a write that lands
+  later shows;
+- ``{"op": "untouched", "offset", "length"}``: is the range still all :data:`MARKER`?
+- ``{"op": "fill", "offset", "length"}``: fill it with :data:`MARKER` (answers ``{}``).
+
+Its first line out is ``{"session_id", "address", "nbytes"}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import trio
+
+MARKER = 0xA5
+"""What a checked range is filled with: no embedding the soak sends is a run of it."""
+
+
+# -- the child ----------------------------------------------------------------------------------
+
+
+def _child(pool_bytes: int) -> None:
+    import numpy as np
+    import xxhash
+
+    from trio_encode.engine.mooncake import _load_mooncake_engine_class
+
+    engine = _load_mooncake_engine_class("ERROR")()
+    code = engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+    if code != 0:
+        raise SystemExit(f"mooncake initialize failed with {code}")
+    pool = np.zeros(pool_bytes, dtype=np.uint8)
+    address = int(pool.ctypes.data)
+    code = engine.register_memory(address, pool_bytes)
+    if code != 0:
+        raise SystemExit(f"mooncake register_memory failed with {code}")
+    out = sys.stdout
+    hello = {
+        "session_id": f"127.0.0.1:{engine.get_rpc_port()}",
+        "address": address,
+        "nbytes": pool_bytes,
+    }
+    out.write(json.dumps(hello) + "\n")
+    out.flush()
+    for line in sys.stdin:
+        ask = json.loads(line)
+        op = ask["op"]
+        answer: dict[str, Any] = {}
+        if op == "check":
+            offset, part = ask["offset"], ask["part"]
+            answer["ok"] = [
+                xxhash.xxh3_64_intdigest(pool[start : start + part].data) == digest
+                for start, digest in zip(
+                    range(offset, offset + part * len(ask["digests"]), part),
+                    ask["digests"],
+                    strict=True,
+                )
+            ]
+            pool[offset : offset + ask["length"]] = MARKER
+        elif op == "untouched":
+            offset, length = ask["offset"], ask["length"]
+            answer["ok"] = bool((pool[offset : offset + length] == MARKER).all())
+        elif op == "fill":
+            pool[ask["offset"] : ask["offset"] + ask["length"]] = MARKER
+        else:
+            raise SystemExit(f"unknown op {op!r}")
+        out.write(json.dumps(answer) + "\n")
+        out.flush()
+    engine.unregister_memory(address)
+
+
+# -- the parent's handle ------------------------------------------------------------------------
+
+
+class ReceiverGone(Exception):
+    """The receiver process exited (killed, or it failed) before it answered."""
+
+
+class ReceiverProcess:
+    """The driver's side of one receiver process."""
+
+    def __init__(self, process: trio.Process, name: str) -> None:
+        self.process = process
+        self.name = name
+        self.session_id = ""
+        """The ``session_id`` of its engine, to name in ``/send``."""
+        self.address = 0
+        """Where its registered pool starts, in its own address space."""
+        self.nbytes = 0
+        self.frozen = False
+        self._thawed = trio.Event()
+        self._thawed.set()
+        self._lock = trio.Lock()
+        self._buffer = b""
+
+    @property
+    def alive(self) -> bool:
+        return self.process.returncode is None
+
+    async def ask(self, **request: Any) -> dict[str, Any]:
+        """Send one command and wait for its answer (one at a time)."""
+        async with self._lock:
+            assert self.process.stdin is not None
+            try:
+                await self.process.stdin.send_all(json.dumps(request).encode() + b"\n")
+                answer: dict[str, Any] = json.loads(await self._read_line())
+            except (trio.BrokenResourceError, trio.ClosedResourceError, EOFError):
+                raise ReceiverGone(f"receiver {self.name} is gone") from None
+            return answer
+
+    async def _hello(self) -> None:
+        hello = json.loads(await self._read_line())
+        self.session_id, self.address, self.nbytes = (
+            hello["session_id"],
+            int(hello["address"]),
+            int(hello["nbytes"]),
+        )
+
+    async def _read_line(self) -> bytes:
+        assert self.process.stdout is not None
+        while b"\n" not in self._buffer:
+            chunk = await self.process.stdout.receive_some(1 << 16)
+            if not chunk:
+                raise EOFError
+            self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return line
+
+    async def check(self, offset: int, part: int, digests: list[int], length: int) -> list[bool]:
+        """Whether each part landed with its digest; ``length`` bytes from ``offset`` are then
+        filled with MARKER."""
+        answer = await self.ask(
+            op="check", offset=offset, part=part, digests=digests, length=length
+        )
+        return [bool(ok) for ok in answer["ok"]]
+
+    async def untouched(self, offset: int, length: int) -> bool:
+        """Whether nothing wrote into the range since it was checked or filled."""
+        return bool((await self.ask(op="untouched", offset=offset, length=length))["ok"])
+
+    async def fill(self, offset: int, length: int) -> None:
+        await self.ask(op="fill", offset=offset, length=length)
+
+    def freeze(self) -> None:
+        """SIGSTOP: its engine stops answering, as a wedged host's would."""
+        self.frozen = True
+        self._thawed = trio.Event()
+        self.process.send_signal(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        self.process.send_signal(signal.SIGCONT)
+        self.frozen = False
+        self._thawed.set()
+
+    async def wait_thawed(self) -> None:
+        """Return at once unless frozen; then when thawed (or killed)."""
+        await self._thawed.wait()
+
+    def kill(self) -> None:
+        """SIGKILL: its engine's port closes, as a crashed rank's would."""
+        self.process.kill()
+        self.frozen = False
+        self._thawed.set()
+
+
+@asynccontextmanager
+async def open_receiver(pool_bytes: int, name: str = "rank") -> AsyncIterator[ReceiverProcess]:
+    """Start a receiver process with a registered pool of ``pool_bytes``; killed on exit."""
+    env = {**os.environ, "MC_LOG_LEVEL": os.environ.get("MC_LOG_LEVEL", "ERROR")}
+    process = await trio.lowlevel.open_process(
+        [sys.executable, "-m", "trio_encode.soak.receiver", str(pool_bytes)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=env,
+    )
+    try:
+        receiver = ReceiverProcess(process, name)
+        with trio.fail_after(60):
+            try:
+                await receiver._hello()
+            except EOFError:
+                await process.wait()
+                raise RuntimeError(
+                    f"receiver {name} exited with {process.returncode} before it was ready"
+                ) from None
+        yield receiver
+    finally:
+        with trio.CancelScope(shield=True):
+            if process.returncode is None:
+                process.send_signal(signal.SIGCONT)
+                process.kill()
+            await process.wait()
+            assert process.stdin is not None
+            assert process.stdout is not None
+            await process.stdin.aclose()
+            await process.stdout.aclose()
+
+
+if __name__ == "__main__":
+    _child(int(sys.argv[1]))
