@@ -35,3 +35,12 @@ def setting(
     if "default_factory" in constraints:
         return Field(description=help, json_schema_extra=extra, **constraints)
     return Field(default, description=help, json_schema_extra=extra, **constraints)
+
+
+def comma_separated(value: Any) -> Any:
+    """``"a, b"`` (how a list arrives in a flag or a variable) -> ``("a", "b")``; anything
+    else (a list from the config file) is left for pydantic to check. A ``BeforeValidator``
+    for tuple settings."""
+    if isinstance(value, str):
+        return tuple(part.strip() for part in value.split(",") if part.strip())
+    return value

@@ -7,12 +7,12 @@ Each field is declared with :func:`~trio_encode.declare.setting`, so it is also 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import BeforeValidator, ConfigDict, Field
 from pydantic.dataclasses import dataclass
 
-from trio_encode.declare import setting
+from trio_encode.declare import comma_separated, setting
 from trio_encode.encoder.settings import EncoderSettings
 from trio_encode.engine.mooncake import MooncakeSettings
 from trio_encode.sizes import ByteSize
@@ -24,18 +24,13 @@ ArenaMode = Literal["both", "on", "off"]
 _ARENA_MODES: dict[str, tuple[bool, ...]] = {"both": (True, False), "on": (True,), "off": (False,)}
 
 
-def _comma_list(value: Any) -> Any:
-    """``"1,4"`` -> ``("1", "4")``; anything else is left for pydantic to check."""
-    if isinstance(value, str):
-        return tuple(part.strip() for part in value.split(",") if part.strip())
-    return value
-
-
 Sizes = Annotated[
-    tuple[Annotated[ByteSize, Field(gt=0)], ...], BeforeValidator(_comma_list), Field(min_length=1)
+    tuple[Annotated[ByteSize, Field(gt=0)], ...],
+    BeforeValidator(comma_separated),
+    Field(min_length=1),
 ]
 Counts = Annotated[
-    tuple[Annotated[int, Field(gt=0)], ...], BeforeValidator(_comma_list), Field(min_length=1)
+    tuple[Annotated[int, Field(gt=0)], ...], BeforeValidator(comma_separated), Field(min_length=1)
 ]
 
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import ipaddress
 from pathlib import Path
-from typing import Annotated, Any, Literal, Self
+from typing import Annotated, Literal, Self
 
 from pydantic import AfterValidator, BeforeValidator, ConfigDict, model_validator
 from pydantic.dataclasses import dataclass
 
-from trio_encode.declare import setting
+from trio_encode.declare import comma_separated, setting
 from trio_encode.sizes import ByteSize, MiB
 
 DType = Literal["float32", "bfloat16"]
@@ -27,13 +27,6 @@ def _existing_dir(path: Path) -> Path:
 
 
 ExistingDir = Annotated[Path, AfterValidator(_existing_dir)]
-
-
-def _comma_list(value: Any) -> Any:
-    """``"a,b"`` (a flag or a variable) -> ``("a", "b")``; a list (the config file) as is."""
-    if isinstance(value, str):
-        return tuple(part.strip() for part in value.split(",") if part.strip())
-    return value
 
 
 def _cidr(network: str) -> str:
@@ -54,9 +47,9 @@ def _master_address(address: str) -> str:
 
 
 MasterAddress = Annotated[str, AfterValidator(_master_address)]
-Names = Annotated[tuple[str, ...], BeforeValidator(_comma_list)]
+Names = Annotated[tuple[str, ...], BeforeValidator(comma_separated)]
 Networks = Annotated[
-    tuple[Annotated[str, AfterValidator(_cidr)], ...], BeforeValidator(_comma_list)
+    tuple[Annotated[str, AfterValidator(_cidr)], ...], BeforeValidator(comma_separated)
 ]
 
 
