@@ -41,13 +41,19 @@ from PIL import Image, ImageDraw, ImageFilter
 
 from trio_encode.client import EncodeClient, LandingPool, LandingSlot
 from trio_encode.client.http import answer_of
+from trio_encode.client.transport import KeepAliveTransport
 from trio_encode.engine.mooncake import MooncakeEngine, MooncakeSettings
 
 _JSON = {"Content-Type": "application/json"}
-KEEP_ALIVE = httpx.Limits(keepalive_expiry=2.0)
-"""Idle connections are dropped by the client before the server's keep-alive (hypercorn's 5 s)
-closes them: a server closing an idle connection just as a client reuses it fails that
-request, and the bench's phases leave connections idle for seconds."""
+
+
+def http_client(base_url: str = "") -> httpx.AsyncClient:
+    """The bench's HTTP client: the project's keep-alive transport, which drops idle
+    connections before the servers' keep-alive closes them (the phases leave connections idle
+    for seconds, and a request written into a closing connection fails)."""
+    return httpx.AsyncClient(base_url=base_url, timeout=300, transport=KeepAliveTransport())
+
+
 IMAGES_PER_CLIENT = 8
 """Distinct images each client cycles through, so no two requests in flight repeat one."""
 
@@ -152,12 +158,7 @@ async def _child(lines: _Lines) -> None:
         slots = [
             pools[k % config.tp].allocate(config.bytes_per_image) for k in range(config.concurrency)
         ]
-        http = [
-            await stack.enter_async_context(
-                httpx.AsyncClient(base_url=config.url, timeout=300, limits=KEEP_ALIVE)
-            )
-            for _ in range(config.tp)
-        ]
+        http = [await stack.enter_async_context(http_client(config.url)) for _ in range(config.tp)]
         await lines.write(json.dumps({"ready": sum(map(len, jpegs)) / len(jpegs)}))
         round_ = 0
         while (command := await lines.read()) == "start":
@@ -220,10 +221,7 @@ async def _send_child(lines: _Lines, config: LoadConfig) -> None:
                 await stack.enter_async_context(LandingPool.open(engine, config.landing_bytes))
             )
         slots = [pool.allocate(config.landing_bytes) for pool in pools]
-        http = [
-            await stack.enter_async_context(httpx.AsyncClient(timeout=300, limits=KEEP_ALIVE))
-            for _ in pools
-        ]
+        http = [await stack.enter_async_context(http_client()) for _ in pools]
         ranks = [[pool.session_id, slot.address] for pool, slot in zip(pools, slots, strict=True)]
         await lines.write(json.dumps({"ready": 0, "ranks": ranks}))
         while (command := await lines.read()).startswith("sends "):

@@ -35,7 +35,7 @@ import torch
 import trio
 
 from trio_encode.arena import Arena
-from trio_encode.bench.load import KEEP_ALIVE, LoadConfig, LoadProcess, open_load
+from trio_encode.bench.load import LoadConfig, LoadProcess, http_client, open_load
 from trio_encode.bench.peer import open_peer
 from trio_encode.bench.phases import (
     BatchRecorder,
@@ -106,7 +106,7 @@ async def _sized_server(
         open_server(server_settings, engine=engine, encoder=encoder, metrics=Metrics()) as running,
         EncodeClient(
             running.url,
-            http=httpx.AsyncClient(base_url=running.url, timeout=300, limits=KEEP_ALIVE),
+            http=http_client(running.url),
         ) as client,
     ):
         yield _Served(running, client, arena)
@@ -150,9 +150,7 @@ async def _transfer_rows(
     async with AsyncExitStack() as stack:
         load = await stack.enter_async_context(open_load(load_config))
         peer_url = await stack.enter_async_context(open_peer()) if config.peer else None
-        peer_http = await stack.enter_async_context(
-            httpx.AsyncClient(timeout=300, limits=KEEP_ALIVE)
-        )
+        peer_http = await stack.enter_async_context(http_client())
         await engine.register(int(source.data_ptr()), source.numel())
         stack.push_async_callback(_deregister, engine, int(source.data_ptr()))
         for nbytes in sizes:

@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 
+from trio_encode.client.transport import KeepAliveTransport
 from trio_encode.engine.base import EngineCall
 from trio_encode.errors import EngineFailed, RequestError, error_class
 
@@ -62,7 +63,10 @@ class SendResult:
 class EncodeClient:
     """``async with EncodeClient(url) as client: await client.encode(...)``.
 
-    One client holds one connection pool; share it between requests of a rank.
+    One client holds one connection pool; share it between requests of a rank. Over plain
+    ``http://`` it uses :class:`~trio_encode.client.transport.KeepAliveTransport` (a rank pays
+    the client's CPU on every send); pass ``http`` to bring an ``httpx.AsyncClient`` of your
+    own (TLS settings, proxies, event hooks).
     """
 
     def __init__(
@@ -74,7 +78,14 @@ class EncodeClient:
         http: httpx.AsyncClient | None = None,
     ) -> None:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._http = http or httpx.AsyncClient(base_url=base_url, timeout=timeout)
+        if http is None:
+            plain = httpx.URL(base_url).scheme == "http"
+            http = httpx.AsyncClient(
+                base_url=base_url,
+                timeout=timeout,
+                transport=KeepAliveTransport() if plain else None,
+            )
+        self._http = http
         self._headers = headers
 
     async def __aenter__(self) -> EncodeClient:
