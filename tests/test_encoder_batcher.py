@@ -1,4 +1,4 @@
-"""The batcher's queue, cancellation and failure logic, replayed on Trio's mock clock.
+"""The encoder's queue, sharing, cancellation and failure logic, on Trio's mock clock.
 
 The model here is a fake whose output row is the image's own colour, and the "thread" runs
 inline after a virtual-time sleep, so no real thread meets the mock clock.
