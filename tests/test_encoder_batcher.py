@@ -1,4 +1,4 @@
-"""The batcher's queue, cancellation and failure logic, replayed on Trio's mock clock.
+"""The encoder's queue, sharing, cancellation and failure logic, on Trio's mock clock.
 
 The model here is a fake whose output row is the image's own colour, and the "thread" runs
 inline after a virtual-time sleep, so no real thread meets the mock clock.
@@ -400,7 +400,7 @@ async def test_concurrent_requests_with_the_same_image_encode_it_once(
     assert reds(results["mixed"]) == [5, 5, 6, 6, 5, 5]
     # The shared row is one tensor: the registration ledger leases identical ranges.
     assert results["a"].tensor is results["b"].tensor
-    assert encoder._in_flight == {}
+    assert encoder.batcher.in_flight == {}
     assert encoder.queued_images == 0
 
 
@@ -424,7 +424,7 @@ async def test_an_image_queued_while_another_request_decoded_it_is_joined(
         nursery.start_soon(one)
     assert backend.batches == [[5]]
     assert [reds(e) for e in results] == [[5, 5], [5, 5]]
-    assert encoder._in_flight == {}
+    assert encoder.batcher.in_flight == {}
 
 
 async def test_first_requester_cancelled_while_queued_leaves_the_job_to_the_second(
@@ -445,7 +445,7 @@ async def test_first_requester_cancelled_while_queued_leaves_the_job_to_the_seco
                 await encoder.encode([image(2)])
             assert scope.cancelled_caught
             assert encoder.queued_images == 1  # still queued: the second request waits for it
-        assert encoder._in_flight == {}
+        assert encoder.batcher.in_flight == {}
         assert encoder.queued_images == 0
     assert backend.batches == [[1], [2]]
     assert [reds(e) for e in results] == [[2, 2]]
@@ -464,9 +464,9 @@ async def test_every_requester_cancelled_while_queued_withdraws_the_shared_job(
                     requesters.start_soon(encoder.encode, [image(2)])
                     requesters.start_soon(encoder.encode, [image(2), image(3)])
             assert encoder.queued_images == 0
-            assert len(encoder._in_flight) == 1  # only image 1's job, still running
+            assert len(encoder.batcher.in_flight) == 1  # only image 1's job, still running
         await trio.sleep(5)
-        assert encoder._in_flight == {}
+        assert encoder.batcher.in_flight == {}
     assert backend.batches == [[1]]
 
 
@@ -487,7 +487,7 @@ async def test_model_failure_reaches_every_request_waiting_on_the_job(
             nursery.start_soon(one)
             nursery.start_soon(one)
         assert len(errors) == 2
-        assert encoder._in_flight == {}
+        assert encoder.batcher.in_flight == {}
         backend.fail = False
         assert reds(await encoder.encode([image(4)])) == [4, 4]  # a new job, not the failed one
     assert events.batches == [(1, False), (1, True)]
@@ -519,7 +519,7 @@ async def test_a_shared_image_counts_once_against_the_queue(
             # The first request is gone: image 3 left the queue, image 2 stays for the sharer.
             assert encoder.queued_images == 2
         assert encoder.queued_images == 0
-        assert encoder._in_flight == {}
+        assert encoder.batcher.in_flight == {}
     assert events.rejections == [1]
     assert backend.batches == [[1], [2], [4]]
     assert [reds(e) for e in results] == [[2, 2, 4, 4]]

@@ -17,7 +17,7 @@ import trio
 from PIL import Image
 
 from test_encoder_batcher import FakeBackend, inline
-from trio_encode.encoder.batcher import ImageEncoder
+from trio_encode.encoder import ImageEncoder
 from trio_encode.encoder.fetch import FetchPolicy, RemoteFetcher, is_remote
 from trio_encode.encoder.settings import EncoderSettings
 from trio_encode.errors import InvalidInput

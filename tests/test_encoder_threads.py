@@ -1,4 +1,4 @@
-"""The batcher with the real built-in model in real worker threads (real clock, tiny model)."""
+"""The encoder with the real built-in model in real worker threads (real clock, tiny model)."""
 
 from __future__ import annotations
 

@@ -40,6 +40,7 @@ from rich.table import Table
 
 from trio_encode.client import EncodeClient, EncodeResult, LandingPool, LandingSlot, metric_value
 from trio_encode.declare import setting
+from trio_encode.embedding import TORCH_DTYPES
 from trio_encode.encoder import ImageEncoder, decode_image, load_item
 from trio_encode.errors import RequestError
 from trio_encode.server.metrics import Metrics
@@ -283,7 +284,7 @@ def _check(
     if len(copies) != tp:
         return  # already reported
     first, _ = copies[0]
-    itemsize = torch.empty((), dtype=getattr(torch, first.dtype)).element_size()
+    itemsize = TORCH_DTYPES[first.dtype].itemsize
     if first.embedding_size != per_request or first.embedding_size != (
         first.embedding_len * first.embedding_dim * itemsize
     ):

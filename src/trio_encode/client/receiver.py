@@ -53,7 +53,7 @@ class LandingSlot:
         """A copy of the landed embedding as a ``(rows, dim)`` tensor of ``dtype``."""
         if dtype not in TORCH_DTYPES:
             raise ValueError(f"unsupported dtype {dtype!r}")
-        item = torch.empty((), dtype=TORCH_DTYPES[dtype]).element_size()
+        item = TORCH_DTYPES[dtype].itemsize
         if rows * dim * item > self.nbytes:
             raise ValueError(f"{rows}x{dim} {dtype} does not fit in a {self.nbytes}-byte slot")
         data = self.raw()[: rows * dim * item]

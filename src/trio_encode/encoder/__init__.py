@@ -1,12 +1,13 @@
-"""The vision encoder: image loading, the models, the embedding cache and the batcher.
+"""The vision encoder: image loading, the models, the front, the batcher and the caches.
 
 The service uses :class:`ImageEncoder`; everything else is exposed for tests, benchmarks and
 tools that save or load weights.
 """
 
 from trio_encode.encoder.backend import VisionBackend, load_backend
-from trio_encode.encoder.batcher import EncoderInfo, ImageEncoder, ThreadRunner, arena_for
+from trio_encode.encoder.batcher import ThreadRunner
 from trio_encode.encoder.cache import CacheKey, EmbeddingCache, content_key
+from trio_encode.encoder.front import EncoderInfo, ImageEncoder, arena_for
 from trio_encode.encoder.images import Preprocess, decode_image, load_item
 from trio_encode.encoder.observer import EncoderObserver, NullEncoderObserver
 from trio_encode.encoder.settings import EncoderSettings

@@ -1,25 +1,19 @@
-"""Cross-request batching: many ``encode()`` callers, one forward pass per batch.
+"""Cross-request batching: one forward pass for the queued images of many requests.
 
-Callers queue their images; the long-lived :meth:`ImageEncoder.run` task takes up to
-``max_batch_size`` of them (waiting at most ``max_batch_wait`` for the oldest one's batch to
-fill), runs the model in a worker thread and hands each request its rows. The thread is never
+The front (:mod:`trio_encode.encoder.front`) queues a :class:`Job` for each image no forward
+is computing yet; the long-lived :meth:`Batcher.run` task takes up to ``max_batch_size`` of
+them (waiting at most ``max_batch_wait`` for the oldest one's batch to fill), runs the model in
+a worker thread and delivers each job's row to every request waiting on it. The thread is never
 abandoned: a cancelled caller waits for it, so no tensor is freed while the model writes it.
 
-Lookups go to this encoder's cache, then (when configured) to the cluster-wide store
-(:mod:`trio_encode.encoder.store`), and only what both miss is queued for a forward; every
-embedding a forward computes is offered to the store in the background.
-
-An image (by content key) that is already queued or in a forward is not queued again: a
-second request waits for the same job and gets the same row. A caller cancelled while its
-images are still queued takes them out of the queue unless another request still waits for
-them (they are never encoded for nobody); one cancelled while its batch runs simply does not
-receive the result.
+A job stays in :attr:`Batcher.in_flight`, by its image's content key, from queueing until it
+delivers, so that the front can join a second request to it. Every row a forward computes is
+kept where later requests look: this encoder's cache or arena, and the cluster-wide store
+(offered in the background).
 
 With a registered arena (:mod:`trio_encode.arena`) each image's row is written into a segment
-of it by the forward's worker thread (the one copy), the arena is the cache, and a request
-whose every image has a segment gets an :class:`ArenaEmbedding` of them: nothing to register,
-nothing to concatenate. An image that finds no room in the arena is encoded into ordinary
-memory, and its request takes the per-request registration path (counted as a fallback).
+of it by the forward's worker thread (the one copy): the segment its request reserved, else one
+free when the batch runs; an image with neither is encoded into ordinary memory.
 """
 
 from __future__ import annotations
@@ -27,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Protocol, TypeVar
@@ -36,22 +30,13 @@ import torch
 import trio
 
 from trio_encode.arena import Arena, Segment
-from trio_encode.embedding import DTYPE_NAMES, TORCH_DTYPES, ArenaEmbedding, Embedding
-from trio_encode.encoder.backend import VisionBackend, load_backend
-from trio_encode.encoder.cache import CacheKey, EmbeddingCache, content_key
-from trio_encode.encoder.fetch import FetchPolicy, RemoteFetcher, is_remote
-from trio_encode.encoder.images import decode_image, load_item
-from trio_encode.encoder.observer import EncoderObserver, NullEncoderObserver
+from trio_encode.encoder.backend import VisionBackend
+from trio_encode.encoder.cache import CacheKey, EmbeddingCache
+from trio_encode.encoder.images import decode_image
+from trio_encode.encoder.observer import EncoderObserver
 from trio_encode.encoder.settings import EncoderSettings
 from trio_encode.encoder.store import EmbeddingStore, store_key
-from trio_encode.errors import (
-    EncodeFailed,
-    InvalidInput,
-    NotReady,
-    Overloaded,
-    RequestError,
-    ShuttingDown,
-)
+from trio_encode.errors import EncodeFailed, InvalidInput, RequestError, ShuttingDown
 
 log = logging.getLogger(__name__)
 
@@ -69,67 +54,24 @@ class ThreadRunner(Protocol):
     def __call__(self, fn: Callable[[], T], /) -> Awaitable[T]: ...
 
 
-@dataclass(frozen=True)
-class EncoderInfo:
-    """What the service reports about the encoder (and /health shows)."""
-
-    model_id: str
-    tokens_per_image: int
-    hidden_size: int
-    dtype: str
-    image_size: int
-    max_batch_size: int
-
-    @property
-    def bytes_per_image(self) -> int:
-        itemsize = torch.empty((), dtype=TORCH_DTYPES[self.dtype]).element_size()
-        return self.tokens_per_image * self.hidden_size * itemsize
-
-
-@dataclass(eq=False)
-class _Request:
-    """One encode() call's images that missed the cache, and where their rows go."""
-
-    results: list[torch.Tensor | None]
-    remaining: int
-    segments: list[Segment | None]
-    """The arena segment behind each result, leased by this request (None: not in the arena)."""
-    done: trio.Event = field(default_factory=trio.Event)
-    error: RequestError | None = None
-    jobs: set[_Job] = field(default_factory=set)  # what it waits on, to withdraw from
+class Waiter(Protocol):
+    """What a job delivers to: one request's rows, each at its index in the request."""
 
     def deliver(self, index: int, row: torch.Tensor, segment: Segment | None) -> None:
-        if not self.done.is_set():
-            if segment is not None:
-                segment.arena.lease(segment)
-                self.segments[index] = segment
-            self.results[index] = row
-            self.remaining -= 1
-            if self.remaining == 0:
-                self.done.set()
+        """The row for image ``index``; ``segment`` (if any) is the arena's memory behind it."""
 
     def fail(self, error: RequestError) -> None:
-        if not self.done.is_set():
-            self.error = error
-            self.done.set()
+        """The image will not be encoded: the request fails with ``error``."""
 
 
 @dataclass(eq=False)
-class _StoreRead:
-    """One image being read from the store, shared by every request that needs it."""
-
-    done: trio.Event = field(default_factory=trio.Event)
-    row: torch.Tensor | None = None
-
-
-@dataclass(eq=False)
-class _Job:
+class Job:
     """One image waiting for (or in) a forward pass, shared by every request that needs it."""
 
     key: CacheKey
     pixels: torch.Tensor
     enqueued_at: float
-    waiters: list[tuple[_Request, int]] = field(default_factory=list)  # (request, its index)
+    waiters: list[tuple[Waiter, int]] = field(default_factory=list)  # (request, its index)
     queued: bool = True
     segment: Segment | None = None
     """The arena segment reserved for its row (the job holds one lease until it delivers)."""
@@ -149,382 +91,125 @@ class _Job:
             request.fail(error)
 
 
-class ImageEncoder:
-    """The encoder the service uses: ``encode()`` per request, ``run()`` in its nursery."""
+class Batcher:
+    """The queue of jobs and the task that runs them in batches (``run()`` in the service's
+    nursery). What to queue, and for whom, is the front's decision."""
 
     def __init__(
         self,
         backend: VisionBackend,
-        settings: EncoderSettings | None = None,
+        settings: EncoderSettings,
         *,
-        observer: EncoderObserver | None = None,
+        bytes_per_image: int,
+        observer: EncoderObserver,
+        cache: EmbeddingCache | None,
+        arena: Arena | None,
+        store: EmbeddingStore | None,
         run_decode: ThreadRunner | None = None,
         run_forward: ThreadRunner | None = None,
-        store: EmbeddingStore | None = None,
-        arena: Arena | None = None,
     ) -> None:
         self.backend = backend
-        self.store = store
-        self.settings = settings if settings is not None else EncoderSettings()
-        self.observer: EncoderObserver = observer or NullEncoderObserver()
+        self.settings = settings
+        self.observer = observer
+        self._bytes_per_image = bytes_per_image
+        self._cache = cache
         self._arena = arena
-        # With an arena, the arena is the cache (``cache_bytes`` bounds what it keeps).
-        self._cache = (
-            EmbeddingCache(self.settings.cache_bytes)
-            if self.settings.cache_bytes > 0 and arena is None
-            else None
-        )
+        self._store = store
         # Decoding gets its own small thread pool so a burst of big images cannot take every
         # core from the forward pass.
         self._decode_limiter = trio.CapacityLimiter(2)
         # The forward has threads of its own: it must never wait behind transfers or decodes.
         self._forward_limiter = trio.CapacityLimiter(1)
-        self._fetcher = RemoteFetcher(
-            FetchPolicy.build(
-                enabled=self.settings.remote_fetch,
-                hosts=self.settings.remote_hosts,
-                private_networks=self.settings.remote_private_networks,
-                max_bytes=self.settings.max_image_bytes,
-                timeout=self.settings.remote_timeout,
-                max_redirects=self.settings.remote_max_redirects,
-            )
-        )
-        self._run_decode: ThreadRunner = run_decode or self._decode_in_thread
+        self.run_decode: ThreadRunner = run_decode or self._decode_in_thread
+        """Runs a request's blocking work other than the forward (decoding, hashing, copies)."""
         self._run_forward: ThreadRunner = run_forward or self._forward_in_thread
-        self._queue: deque[_Job] = deque()
-        # Every queued or running job by its image, so a request needing the same image joins
-        # it instead of encoding it again.
-        self._in_flight: dict[CacheKey, _Job] = {}
-        self._store_reads: dict[CacheKey, _StoreRead] = {}
+        self._queue: deque[Job] = deque()
+        self._in_flight: dict[CacheKey, Job] = {}
         self._reserved = 0  # images admitted and still being decoded
         self._changed = trio.Event()
         self._running = False
         self._stopped = False
-        self.info = EncoderInfo(
-            model_id=backend.model_id,
-            tokens_per_image=backend.tokens_per_image,
-            hidden_size=backend.hidden_size,
-            dtype=DTYPE_NAMES[backend.dtype],
-            image_size=backend.preprocess.image_size,
-            max_batch_size=self.settings.max_batch_size,
-        )
-
-    @classmethod
-    def from_settings(
-        cls,
-        settings: EncoderSettings,
-        *,
-        observer: EncoderObserver | None = None,
-        store: EmbeddingStore | None = None,
-        arena: Arena | None = None,
-    ) -> ImageEncoder:
-        """Load the model the settings name. Blocking: call before serving or in a thread.
-
-        ``arena``: the one to write embeddings into; by default :func:`arena_for` makes it
-        from the settings (none when ``arena_bytes`` is 0). A server that loads the model
-        behind a listening port makes it first, so that it is registered at start.
-        """
-        arena = arena if arena is not None else arena_for(settings)
-        return cls(load_backend(settings), settings, observer=observer, store=store, arena=arena)
 
     @property
-    def ready(self) -> bool:
+    def running(self) -> bool:
         """True while :meth:`run` is serving batches (after its warm-up forward)."""
         return self._running
 
     @property
-    def cache(self) -> EmbeddingCache | None:
-        return self._cache
-
-    @property
-    def arena(self) -> Arena | None:
-        """Where embeddings are written (and cached); None: ordinary memory."""
-        return self._arena
+    def stopped(self) -> bool:
+        """True once :meth:`run` has ended (until it runs again)."""
+        return self._stopped
 
     @property
     def queued_images(self) -> int:
         """Images waiting for a forward pass, including those still being decoded."""
         return len(self._queue) + self._reserved
 
-    # -- per request -------------------------------------------------------------------------
+    @property
+    def in_flight(self) -> Mapping[CacheKey, Job]:
+        """Every queued or running job by its image: a request needing the same image joins
+        it instead of encoding it again."""
+        return self._in_flight
 
-    async def load_items(self, items: Sequence[str]) -> list[bytes]:
-        """The encoded bytes of each ``mm_items`` entry, without decoding pixels. ``http(s)``
-        items are fetched (under the fetch rules), the rest loaded off the event loop (base64
-        of MBs, file reads). Raises :class:`InvalidInput` naming the entry."""
-        loaded: dict[int, bytes] = {}
-        for index, item in enumerate(items):
-            if is_remote(item):
-                try:
-                    loaded[index] = await self._fetcher.fetch(item)
-                except InvalidInput as exc:
-                    raise InvalidInput(f"mm_items[{index}]: {exc.message}") from None
-        local = [index for index in range(len(items)) if index not in loaded]
-        read = await self._run_decode(
-            partial(self._load_items, [items[index] for index in local], local)
-        )
-        loaded |= dict(zip(local, read, strict=True))
-        return [loaded[index] for index in range(len(items))]
+    # -- queueing ----------------------------------------------------------------------------
 
-    def _load_items(self, items: list[str], indices: list[int] | None = None) -> list[bytes]:
-        """Load local items; ``indices`` are their places in ``mm_items``, for messages."""
-        loaded = []
-        for index, item in zip(indices or range(len(items)), items, strict=True):
-            try:
-                loaded.append(
-                    load_item(
-                        item,
-                        max_bytes=self.settings.max_image_bytes,
-                        media_dir=self.settings.media_dir,
-                    )
-                )
-            except InvalidInput as exc:
-                raise InvalidInput(f"mm_items[{index}]: {exc.message}") from None
-        return loaded
-
-    async def encode(self, items: Sequence[bytes]) -> Embedding | ArenaEmbedding:
-        """The embedding of a request's images: ``(images * tokens, hidden)`` rows in order.
-
-        Raises :class:`InvalidInput` (an image cannot be decoded), :class:`Overloaded` (the
-        queue is full, or the encoder is not running), :class:`EncodeFailed` (the model raised)
-        or :class:`ShuttingDown` (the encoder stopped while the request waited).
-        """
-        if not self._running:
-            raise self._not_running()
-        if not items:
-            raise InvalidInput("mm_items is empty: send at least one image")
-        if len(items) > self.settings.queue_size:
-            raise InvalidInput(
-                f"{len(items)} images in one request; this server accepts at most "
-                f"{self.settings.queue_size}"
-            )
-        model_id = self.backend.model_id
-        keys = await self._run_decode(lambda: [content_key(model_id, data) for data in items])
-        results: list[torch.Tensor | None] = [None] * len(items)
-        segments: list[Segment | None] = [None] * len(items)
-        handed_over = False
+    async def decode(self, items: Sequence[bytes], indices: list[int]) -> list[torch.Tensor]:
+        """The pixels of ``items[i]`` for each of ``indices``, decoded in a worker thread while
+        their places in the queue are held, so concurrent admissions count them."""
+        self._reserved += len(indices)
         try:
-            if self._arena is not None:
-                for index, key in enumerate(keys):
-                    segment = self._arena.lookup(key)
-                    if segment is not None:
-                        segments[index] = segment
-                        results[index] = self._row_view(segment)
-                misses = sum(result is None for result in results)
-                self.observer.cache_looked_up(len(items) - misses, misses)
-            elif self._cache is not None:
-                results = [self._cache.get(key) for key in keys]
-                misses = sum(result is None for result in results)
-                self.observer.cache_looked_up(len(items) - misses, misses)
-            missing = [i for i, result in enumerate(results) if result is None]
-            if missing and self.store is not None:
-                await self._look_up_store(keys, results, missing)
-                if self._arena is not None:
-                    await self._keep_store_hits(keys, results, missing, segments)
-                missing = [i for i, result in enumerate(results) if result is None]
-            if missing:
-                await self._encode_missing(items, keys, results, missing, segments)
-            rows = [result for result in results if result is not None]
-            if self._arena is not None and all(segment is not None for segment in segments):
-                parts = [(seg, row) for seg, row in zip(segments, rows, strict=True) if seg]
-                embedding: Embedding | ArenaEmbedding = await self._run_decode(
-                    partial(_checksummed, ArenaEmbedding(parts))
-                )
-                handed_over = True  # its leases are the embedding's now
-                return embedding
-            if self._arena is not None:
-                self._arena.fallbacks += 1
-            return await self._run_decode(partial(_assemble, rows))
+            return await self.run_decode(partial(self._decode, items, indices))
         finally:
-            if not handed_over:
-                for segment in segments:
-                    if segment is not None:
-                        segment.arena.release(segment)
+            self._reserved -= len(indices)
 
-    async def _keep_store_hits(
-        self,
-        keys: list[CacheKey],
-        results: list[torch.Tensor | None],
-        looked_up: list[int],
-        segments: list[Segment | None],
-    ) -> None:
-        """Copy each store hit into an arena segment kept as the local cache, so the request is
-        sent from the arena (no registration) and the next one finds it here. A store read
-        lands in memory of its own (an abandoned read may still write it), hence the copy; with
-        the arena full, the hit stays where it is and the request registers its own memory."""
-        assert self._arena is not None
-        placed: dict[CacheKey, Segment] = {}
-        for index in looked_up:
-            row, key = results[index], keys[index]
-            if row is None or segments[index] is not None:
-                continue
-            segment = placed.get(key)
-            if segment is None:
-                segment = self._arena.allocate(self.info.bytes_per_image)
+    async def reserve_segments(self, count: int) -> list[Segment]:
+        """Up to ``count`` segments for a request's new images, waiting for room while the
+        arena is full, for at most :data:`ARENA_WAIT` and never past the caller's deadline
+        (the request scope's backstop). Fewer when time runs out: those images go to ordinary
+        memory and the request registers its own (a fallback)."""
+        if self._arena is None or self._bytes_per_image > self._arena.nbytes:
+            return []  # no arena, or one that can never hold an image: nothing to wait for
+        deadline = min(trio.current_effective_deadline(), trio.current_time() + ARENA_WAIT)
+        room: list[Segment] = []
+        try:
+            for _ in range(count):
+                segment = await self._arena.allocate_by(self._bytes_per_image, deadline)
                 if segment is None:
-                    continue
-                segments[index] = segment  # from here the caller's cleanup releases it
-                view = self._row_view(segment)
-                await self._run_decode(partial(view.copy_, row))
-                kept = self._arena.keep(segment, key)
-                if kept is not segment:  # another request kept this image meanwhile
-                    self._arena.lease(kept)
-                    self._arena.release(segment)
-                    segment = kept
-                placed[key] = segment
-            else:
-                self._arena.lease(segment)  # one lease per index, as lookups take
-            segments[index] = segment
-            results[index] = self._row_view(segment)
+                    break
+                room.append(segment)
+        except BaseException:
+            release_all(room)
+            raise
+        return room
 
-    def _row_view(self, segment: Segment) -> torch.Tensor:
+    def submit(
+        self, key: CacheKey, pixels: torch.Tensor, enqueued_at: float, segment: Segment | None
+    ) -> Job:
+        """Queue a job for an image no job is computing (``segment``: its reserved room)."""
+        job = Job(key, pixels, enqueued_at)
+        job.segment = segment
+        self._in_flight[job.key] = job
+        self._queue.append(job)
+        self._changed.set()
+        return job
+
+    def withdraw(self, job: Job, waiter: Waiter) -> None:
+        """``waiter`` no longer waits for ``job``. A queued job nobody waits for any more
+        leaves the queue: it is never encoded for nobody."""
+        job.waiters = [(r, i) for r, i in job.waiters if r is not waiter]
+        if job.queued and not job.waiters:
+            self._queue.remove(job)
+            job.queued = False
+            job.drop_segment()
+            self._forget(job)
+
+    def row_view(self, segment: Segment) -> torch.Tensor:
         """An image's ``(tokens, hidden)`` row as a view of its segment's bytes."""
         backend = self.backend
         flat = torch.frombuffer(segment.buffer, dtype=torch.uint8)
         return flat.view(backend.dtype).view(backend.tokens_per_image, backend.hidden_size)
 
-    async def _look_up_store(
-        self, keys: list[CacheKey], results: list[torch.Tensor | None], missing: list[int]
-    ) -> None:
-        """Fill ``results`` from the store where it holds the image. Images already queued or
-        in a forward here are not looked up (joining that forward is cheaper), and an image
-        another request is already reading from the store waits for that read."""
-        assert self.store is not None
-        own: dict[CacheKey, list[int]] = {}
-        joined: dict[CacheKey, list[int]] = {}
-        for index in missing:
-            key = keys[index]
-            if key not in self._in_flight:
-                (joined if key in self._store_reads else own).setdefault(key, []).append(index)
-        others = {key: self._store_reads[key] for key in joined}
-        reads = {key: _StoreRead() for key in own}
-        self._store_reads.update(reads)
-        try:
-            if reads:
-                into = [self._landing_row() for _ in reads]
-                fingerprint = self.backend.fingerprint
-                found = await self.store.get([store_key(fingerprint, k) for k in reads], into)
-                # A miss's tensor may still be written by an abandoned read: it is dropped.
-                for read, tensor, hit in zip(reads.values(), into, found, strict=True):
-                    read.row = tensor if hit else None
-        finally:
-            # Whatever happened (a cancelled caller too), those waiting on these reads go on.
-            for key, read in reads.items():
-                read.done.set()
-                if self._store_reads.get(key) is read:
-                    del self._store_reads[key]
-        for read in others.values():
-            await read.done.wait()  # bounded: the reading request's lookup is
-        for key, indices in [*own.items(), *joined.items()]:
-            row = (reads.get(key) or others[key]).row
-            if row is not None and self._cache is not None:
-                self._cache.put(key, row)
-            elif row is None and self._cache is not None:
-                row = self._cache.get(key)  # a forward elsewhere may have finished meanwhile
-            for index in indices:
-                results[index] = row
-
-    def _landing_row(self) -> torch.Tensor:
-        """Memory for one image's embedding read from the store: the tensor the request then
-        sends from and the cache keeps, so a hit is never copied. An abandoned read may still
-        write it after the lookup gave up (the store keeps it alive until then); whatever
-        provides this memory must not reuse it while a reference to it remains."""
-        backend = self.backend
-        return torch.empty(backend.tokens_per_image, backend.hidden_size, dtype=backend.dtype)
-
-    async def _encode_missing(
-        self,
-        items: Sequence[bytes],
-        keys: list[CacheKey],
-        results: list[torch.Tensor | None],
-        missing: list[int],
-        segments: list[Segment | None],
-    ) -> None:
-        shared = [i for i in missing if keys[i] in self._in_flight]
-        own = [i for i in missing if keys[i] not in self._in_flight]
-        to_decode: dict[CacheKey, int] = {}  # one index per new image; duplicates share it
-        for index in own:
-            to_decode.setdefault(keys[index], index)
-        count = len(to_decode)
-        if self.queued_images + count > self.settings.queue_size:
-            self.observer.rejected(count)
-            raise Overloaded(
-                f"the encoder queue is full ({self.queued_images} of "
-                f"{self.settings.queue_size} images waiting); retry later"
-            )
-        request = _Request(results, remaining=len(missing), segments=segments)
-        try:
-            # Join before decoding, so a shared job that finishes meanwhile still delivers.
-            for index in shared:
-                self._wait_for(self._in_flight[keys[index]], request, index)
-            if to_decode:
-                pixels = await self._decode_reserved(items, list(to_decode.values()))
-                room = await self._reserve_segments(len(to_decode))
-                try:
-                    # A caller cancelled while its decode thread ran learns that first; only a
-                    # caller still wanted hears that the encoder stopped meanwhile.
-                    await trio.lowlevel.checkpoint_if_cancelled()
-                    if not self._running:
-                        raise self._not_running()
-                    pixels_by_key = dict(zip(to_decode, pixels, strict=True))
-                    self._queue_jobs(request, keys, own, pixels_by_key, room)
-                finally:
-                    self._release_all(list(room))  # what no new job took
-            await request.done.wait()
-        finally:
-            self._withdraw(request)
-        if request.error is not None:
-            raise request.error
-
-    async def _decode_reserved(
-        self, items: Sequence[bytes], indices: list[int]
-    ) -> list[torch.Tensor]:
-        """Decode, holding the images' places in the queue so concurrent admissions count them."""
-        self._reserved += len(indices)
-        try:
-            return await self._run_decode(partial(self._decode, items, indices))
-        finally:
-            self._reserved -= len(indices)
-
-    def _queue_jobs(
-        self,
-        request: _Request,
-        keys: list[CacheKey],
-        indices: list[int],
-        pixels: dict[CacheKey, torch.Tensor],
-        room: list[Segment],
-    ) -> None:
-        """Wait for each image's job, queueing one only where no request queued it meanwhile
-        (while this one decoded). A new job takes a segment from ``room`` if any is left."""
-        now = trio.current_time()
-        for index in indices:
-            job = self._in_flight.get(keys[index])
-            if job is None:
-                job = _Job(keys[index], pixels[keys[index]], now)
-                job.segment = room.pop() if room else None
-                self._in_flight[job.key] = job
-                self._queue.append(job)
-                self._changed.set()
-            self._wait_for(job, request, index)
-
-    @staticmethod
-    def _wait_for(job: _Job, request: _Request, index: int) -> None:
-        job.waiters.append((request, index))
-        request.jobs.add(job)
-
-    def _withdraw(self, request: _Request) -> None:
-        """The request no longer waits (done, failed or cancelled). A queued job nobody waits
-        for any more leaves the queue: it is never encoded for nobody."""
-        for job in request.jobs:
-            job.waiters = [(r, i) for r, i in job.waiters if r is not request]
-            if job.queued and not job.waiters:
-                self._queue.remove(job)
-                job.queued = False
-                job.drop_segment()
-                self._forget(job)
-        request.jobs.clear()
-
-    def _forget(self, job: _Job) -> None:
+    def _forget(self, job: Job) -> None:
         """Drop the job from the in-flight map (unless a newer job for its image took its place)."""
         if self._in_flight.get(job.key) is job:
             del self._in_flight[job.key]
@@ -544,31 +229,15 @@ class ImageEncoder:
                 raise InvalidInput(f"mm_items[{index}]: {exc.message}") from None
         return pixels
 
-    def _not_running(self) -> RequestError:
-        if self._stopped:
-            return ShuttingDown("the encoder has stopped")
-        return NotReady("the encoder is not ready yet")
-
     # -- the batching task -------------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Serve batches until cancelled. Reports started (and ``ready``) after a warm-up
-        forward pass; on exit, every request still waiting gets :class:`ShuttingDown`. The
-        store (if any) connects in the background: the encoder is ready without it."""
-        if self.store is None:
-            await self._run_batches(task_status=task_status)
-            return
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self.store.run)
-            await self._run_batches(task_status=task_status)
-
-    async def _run_batches(
-        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
-    ) -> None:
+        """Serve batches until cancelled. Reports started (and ``running``) after a warm-up
+        forward pass; on exit, every request still waiting gets :class:`ShuttingDown`."""
         if self._running:
             raise RuntimeError("ImageEncoder.run is already running")
         if self.settings.warmup:
-            side = self.info.image_size
+            side = self.backend.preprocess.image_size
             blank = [torch.zeros(3, side, side)]
             await self._run_forward(partial(self._forward, blank))
         self._stopped = False
@@ -588,7 +257,7 @@ class ImageEncoder:
                 self._forget(job)
                 job.fail(ShuttingDown("the encoder stopped before this request ran"))
 
-    async def _next_batch(self) -> list[_Job]:
+    async def _next_batch(self) -> list[Job]:
         limit = self.settings.max_batch_size
         while True:
             while not self._queue:
@@ -612,13 +281,13 @@ class ImageEncoder:
         self._changed = trio.Event()
         await self._changed.wait()
 
-    async def _process(self, batch: list[_Job]) -> None:
+    async def _process(self, batch: list[Job]) -> None:
         pixels = [job.pixels for job in batch]
         targets = self._allocate_segments(batch)
         try:
             rows, seconds = await self._run_forward(partial(self._forward, pixels, targets))
         except Exception as exc:
-            self._release_all(targets)
+            release_all(targets)
             self.observer.batch_finished(len(batch), 0.0, ok=False)
             log.exception("vision encoder failed on a batch of %d images", len(batch))
             for job in batch:
@@ -631,7 +300,7 @@ class ImageEncoder:
                 )
             return
         except BaseException:
-            self._release_all(targets)
+            release_all(targets)
             for job in batch:
                 self._forget(job)
                 job.fail(ShuttingDown("the encoder stopped while this request ran"))
@@ -641,53 +310,27 @@ class ImageEncoder:
             self._forget(job)
             if self._cache is not None:
                 self._cache.put(job.key, row)
-            if self.store is not None:
-                self.store.put(store_key(self.backend.fingerprint, job.key), row)
+            if self._store is not None:
+                self._store.put(store_key(self.backend.fingerprint, job.key), row)
             if segment is not None:
                 segment.arena.keep(segment, job.key)
             job.deliver(row, segment)
-        self._release_all(targets)  # the forward's own leases; the waiters hold theirs
+        release_all(targets)  # the forward's own leases; the waiters hold theirs
         if self._cache is not None:
             self.observer.cache_size(self._cache.nbytes, len(self._cache))
         elif self._arena is not None:
             self.observer.cache_size(self._arena.cached_bytes, len(self._arena))
 
-    async def _reserve_segments(self, count: int) -> list[Segment]:
-        """Up to ``count`` segments for a request's new images, waiting for room while the
-        arena is full, for at most :data:`ARENA_WAIT` and never past the caller's deadline
-        (the request scope's backstop). Fewer when time runs out: those images go to ordinary
-        memory and the request registers its own (a fallback)."""
-        if self._arena is None or self.info.bytes_per_image > self._arena.nbytes:
-            return []  # no arena, or one that can never hold an image: nothing to wait for
-        deadline = min(trio.current_effective_deadline(), trio.current_time() + ARENA_WAIT)
-        room: list[Segment] = []
-        try:
-            for _ in range(count):
-                segment = await self._arena.allocate_by(self.info.bytes_per_image, deadline)
-                if segment is None:
-                    break
-                room.append(segment)
-        except BaseException:
-            self._release_all(list(room))
-            raise
-        return room
-
-    def _allocate_segments(self, batch: list[_Job]) -> list[Segment | None]:
+    def _allocate_segments(self, batch: list[Job]) -> list[Segment | None]:
         """A segment for each image of a batch, leased by the forward until it delivers: the
         one its job reserved, else one free now; None where there is none (ordinary memory)."""
         targets: list[Segment | None] = []
         for job in batch:
             segment, job.segment = job.segment, None
             if segment is None and self._arena is not None:
-                segment = self._arena.allocate(self.info.bytes_per_image)
+                segment = self._arena.allocate(self._bytes_per_image)
             targets.append(segment)
         return targets
-
-    @staticmethod
-    def _release_all(segments: list[Segment | None]) -> None:
-        for segment in segments:
-            if segment is not None:
-                segment.arena.release(segment)
 
     def _forward(
         self, pixels: list[torch.Tensor], targets: Sequence[Segment | None] = ()
@@ -712,7 +355,7 @@ class ImageEncoder:
             for index, row in enumerate(out):
                 segment = targets[index] if targets else None
                 if segment is not None:
-                    rows.append(self._row_view(segment).copy_(row))
+                    rows.append(self.row_view(segment).copy_(row))
                 else:
                     rows.append(row.clone() if own else row)
         return rows, time.perf_counter() - start
@@ -724,27 +367,8 @@ class ImageEncoder:
         return await trio.to_thread.run_sync(fn, limiter=self._forward_limiter)
 
 
-def _checksummed(embedding: ArenaEmbedding) -> ArenaEmbedding:
-    """In a worker thread: compute the checksum (it reads every byte)."""
-    embedding.checksum  # noqa: B018 - computed here, remembered by the embedding
-    return embedding
-
-
-def _assemble(rows: list[torch.Tensor]) -> Embedding:
-    """In a worker thread: the request's rows as one embedding, its checksum computed (it
-    reads every byte, so not on the event loop)."""
-    if len(rows) == 1:
-        embedding = Embedding(rows[0])
-    else:
-        with torch.inference_mode():
-            embedding = Embedding(torch.cat(rows, dim=0))
-    embedding.checksum  # noqa: B018 - computed here, remembered by the embedding
-    return embedding
-
-
-def arena_for(settings: EncoderSettings) -> Arena | None:
-    """The arena of ``settings.arena_bytes`` (None when 0), bounded as the cache by
-    ``settings.cache_bytes``."""
-    if settings.arena_bytes <= 0:
-        return None
-    return Arena(settings.arena_bytes, cache_bytes=settings.cache_bytes)
+def release_all(segments: Sequence[Segment | None]) -> None:
+    """Give back the lease held on each segment (None: no segment, nothing to give back)."""
+    for segment in segments:
+        if segment is not None:
+            segment.arena.release(segment)

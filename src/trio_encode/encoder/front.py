@@ -1,0 +1,487 @@
+"""The encoder's front: one ``encode()`` per request, from image bytes to its embedding.
+
+:class:`ImageEncoder` is what the service calls. It loads a request's items (fetching
+``http(s)`` ones under the fetch rules), admits or refuses the request (a full queue is
+:class:`Overloaded`; an encoder not running yet, or stopped, refuses too), and looks each image
+up in this encoder's cache (or arena), then (when configured) in the cluster-wide store
+(:mod:`trio_encode.encoder.store`). Only what both miss goes to the batcher
+(:mod:`trio_encode.encoder.batcher`), which runs one forward pass for many requests.
+
+An image (by content key) that is already queued or in a forward is not queued again: a
+second request waits for the same job and gets the same row. A caller cancelled while its
+images are still queued takes them out of the queue unless another request still waits for
+them (they are never encoded for nobody); one cancelled while its batch runs simply does not
+receive the result.
+
+With a registered arena (:mod:`trio_encode.arena`) the arena is the cache, and a request whose
+every image has a segment gets an :class:`ArenaEmbedding` of them: nothing to register,
+nothing to concatenate. An image that finds no room in the arena is encoded into ordinary
+memory, and its request takes the per-request registration path (counted as a fallback).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+import trio
+
+from trio_encode.arena import Arena, Segment
+from trio_encode.embedding import DTYPE_NAMES, TORCH_DTYPES, ArenaEmbedding, Embedding
+from trio_encode.encoder.backend import VisionBackend, load_backend
+from trio_encode.encoder.batcher import Batcher, Job, ThreadRunner, release_all
+from trio_encode.encoder.cache import CacheKey, EmbeddingCache, content_key
+from trio_encode.encoder.fetch import FetchPolicy, RemoteFetcher, is_remote
+from trio_encode.encoder.images import load_item
+from trio_encode.encoder.observer import EncoderObserver, NullEncoderObserver
+from trio_encode.encoder.settings import EncoderSettings
+from trio_encode.encoder.store import EmbeddingStore, store_key
+from trio_encode.errors import InvalidInput, NotReady, Overloaded, RequestError, ShuttingDown
+
+
+@dataclass(frozen=True)
+class EncoderInfo:
+    """What the service reports about the encoder (and /health shows)."""
+
+    model_id: str
+    tokens_per_image: int
+    hidden_size: int
+    dtype: str
+    image_size: int
+    max_batch_size: int
+
+    @property
+    def bytes_per_image(self) -> int:
+        return self.tokens_per_image * self.hidden_size * TORCH_DTYPES[self.dtype].itemsize
+
+
+@dataclass(eq=False)
+class _Request:
+    """One encode() call's images that missed the cache, and where their rows go."""
+
+    results: list[torch.Tensor | None]
+    remaining: int
+    segments: list[Segment | None]
+    """The arena segment behind each result, leased by this request (None: not in the arena)."""
+    done: trio.Event = field(default_factory=trio.Event)
+    error: RequestError | None = None
+    jobs: set[Job] = field(default_factory=set)  # what it waits on, to withdraw from
+
+    def deliver(self, index: int, row: torch.Tensor, segment: Segment | None) -> None:
+        if not self.done.is_set():
+            if segment is not None:
+                segment.arena.lease(segment)
+                self.segments[index] = segment
+            self.results[index] = row
+            self.remaining -= 1
+            if self.remaining == 0:
+                self.done.set()
+
+    def fail(self, error: RequestError) -> None:
+        if not self.done.is_set():
+            self.error = error
+            self.done.set()
+
+
+@dataclass(eq=False)
+class _StoreRead:
+    """One image being read from the store, shared by every request that needs it."""
+
+    done: trio.Event = field(default_factory=trio.Event)
+    row: torch.Tensor | None = None
+
+
+class ImageEncoder:
+    """The encoder the service uses: ``encode()`` per request, ``run()`` in its nursery."""
+
+    def __init__(
+        self,
+        backend: VisionBackend,
+        settings: EncoderSettings | None = None,
+        *,
+        observer: EncoderObserver | None = None,
+        run_decode: ThreadRunner | None = None,
+        run_forward: ThreadRunner | None = None,
+        store: EmbeddingStore | None = None,
+        arena: Arena | None = None,
+    ) -> None:
+        self.backend = backend
+        self.store = store
+        self.settings = settings if settings is not None else EncoderSettings()
+        self.observer: EncoderObserver = observer or NullEncoderObserver()
+        self._arena = arena
+        # With an arena, the arena is the cache (``cache_bytes`` bounds what it keeps).
+        self._cache = (
+            EmbeddingCache(self.settings.cache_bytes)
+            if self.settings.cache_bytes > 0 and arena is None
+            else None
+        )
+        self._fetcher = RemoteFetcher(
+            FetchPolicy.build(
+                enabled=self.settings.remote_fetch,
+                hosts=self.settings.remote_hosts,
+                private_networks=self.settings.remote_private_networks,
+                max_bytes=self.settings.max_image_bytes,
+                timeout=self.settings.remote_timeout,
+                max_redirects=self.settings.remote_max_redirects,
+            )
+        )
+        self._store_reads: dict[CacheKey, _StoreRead] = {}
+        self.info = EncoderInfo(
+            model_id=backend.model_id,
+            tokens_per_image=backend.tokens_per_image,
+            hidden_size=backend.hidden_size,
+            dtype=DTYPE_NAMES[backend.dtype],
+            image_size=backend.preprocess.image_size,
+            max_batch_size=self.settings.max_batch_size,
+        )
+        self.batcher = Batcher(
+            backend,
+            self.settings,
+            bytes_per_image=self.info.bytes_per_image,
+            observer=self.observer,
+            cache=self._cache,
+            arena=arena,
+            store=store,
+            run_decode=run_decode,
+            run_forward=run_forward,
+        )
+        """Queues the images no forward is computing yet and runs them in batches."""
+
+    @classmethod
+    def from_settings(
+        cls,
+        settings: EncoderSettings,
+        *,
+        observer: EncoderObserver | None = None,
+        store: EmbeddingStore | None = None,
+        arena: Arena | None = None,
+    ) -> ImageEncoder:
+        """Load the model the settings name. Blocking: call before serving or in a thread.
+
+        ``arena``: the one to write embeddings into; by default :func:`arena_for` makes it
+        from the settings (none when ``arena_bytes`` is 0). A server that loads the model
+        behind a listening port makes it first, so that it is registered at start.
+        """
+        arena = arena if arena is not None else arena_for(settings)
+        return cls(load_backend(settings), settings, observer=observer, store=store, arena=arena)
+
+    @property
+    def ready(self) -> bool:
+        """True while :meth:`run` is serving batches (after its warm-up forward)."""
+        return self.batcher.running
+
+    @property
+    def cache(self) -> EmbeddingCache | None:
+        return self._cache
+
+    @property
+    def arena(self) -> Arena | None:
+        """Where embeddings are written (and cached); None: ordinary memory."""
+        return self._arena
+
+    @property
+    def queued_images(self) -> int:
+        """Images waiting for a forward pass, including those still being decoded."""
+        return self.batcher.queued_images
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve batches until cancelled. Reports started (and ``ready``) after a warm-up
+        forward pass; on exit, every request still waiting gets :class:`ShuttingDown`. The
+        store (if any) connects in the background: the encoder is ready without it."""
+        if self.store is None:
+            await self.batcher.run(task_status=task_status)
+            return
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.store.run)
+            await self.batcher.run(task_status=task_status)
+
+    # -- per request -------------------------------------------------------------------------
+
+    async def load_items(self, items: Sequence[str]) -> list[bytes]:
+        """The encoded bytes of each ``mm_items`` entry, without decoding pixels. ``http(s)``
+        items are fetched (under the fetch rules), the rest loaded off the event loop (base64
+        of MBs, file reads). Raises :class:`InvalidInput` naming the entry."""
+        loaded: dict[int, bytes] = {}
+        for index, item in enumerate(items):
+            if is_remote(item):
+                try:
+                    loaded[index] = await self._fetcher.fetch(item)
+                except InvalidInput as exc:
+                    raise InvalidInput(f"mm_items[{index}]: {exc.message}") from None
+        local = [index for index in range(len(items)) if index not in loaded]
+        read = await self.batcher.run_decode(
+            partial(self._load_items, [items[index] for index in local], local)
+        )
+        loaded |= dict(zip(local, read, strict=True))
+        return [loaded[index] for index in range(len(items))]
+
+    def _load_items(self, items: list[str], indices: list[int] | None = None) -> list[bytes]:
+        """Load local items; ``indices`` are their places in ``mm_items``, for messages."""
+        loaded = []
+        for index, item in zip(indices or range(len(items)), items, strict=True):
+            try:
+                loaded.append(
+                    load_item(
+                        item,
+                        max_bytes=self.settings.max_image_bytes,
+                        media_dir=self.settings.media_dir,
+                    )
+                )
+            except InvalidInput as exc:
+                raise InvalidInput(f"mm_items[{index}]: {exc.message}") from None
+        return loaded
+
+    async def encode(self, items: Sequence[bytes]) -> Embedding | ArenaEmbedding:
+        """The embedding of a request's images: ``(images * tokens, hidden)`` rows in order.
+
+        Raises :class:`InvalidInput` (an image cannot be decoded), :class:`Overloaded` (the
+        queue is full, or the encoder is not running), :class:`EncodeFailed` (the model raised)
+        or :class:`ShuttingDown` (the encoder stopped while the request waited).
+        """
+        if not self.batcher.running:
+            raise self._not_running()
+        if not items:
+            raise InvalidInput("mm_items is empty: send at least one image")
+        if len(items) > self.settings.queue_size:
+            raise InvalidInput(
+                f"{len(items)} images in one request; this server accepts at most "
+                f"{self.settings.queue_size}"
+            )
+        model_id = self.backend.model_id
+        keys = await self.batcher.run_decode(
+            lambda: [content_key(model_id, data) for data in items]
+        )
+        results: list[torch.Tensor | None] = [None] * len(items)
+        segments: list[Segment | None] = [None] * len(items)
+        handed_over = False
+        try:
+            if self._arena is not None:
+                for index, key in enumerate(keys):
+                    segment = self._arena.lookup(key)
+                    if segment is not None:
+                        segments[index] = segment
+                        results[index] = self.batcher.row_view(segment)
+                misses = sum(result is None for result in results)
+                self.observer.cache_looked_up(len(items) - misses, misses)
+            elif self._cache is not None:
+                results = [self._cache.get(key) for key in keys]
+                misses = sum(result is None for result in results)
+                self.observer.cache_looked_up(len(items) - misses, misses)
+            missing = [i for i, result in enumerate(results) if result is None]
+            if missing and self.store is not None:
+                await self._look_up_store(keys, results, missing)
+                if self._arena is not None:
+                    await self._keep_store_hits(keys, results, missing, segments)
+                missing = [i for i, result in enumerate(results) if result is None]
+            if missing:
+                await self._encode_missing(items, keys, results, missing, segments)
+            rows = [result for result in results if result is not None]
+            if self._arena is not None and all(segment is not None for segment in segments):
+                parts = [(seg, row) for seg, row in zip(segments, rows, strict=True) if seg]
+                embedding: Embedding | ArenaEmbedding = await self.batcher.run_decode(
+                    partial(_checksummed, ArenaEmbedding(parts))
+                )
+                handed_over = True  # its leases are the embedding's now
+                return embedding
+            if self._arena is not None:
+                self._arena.fallbacks += 1
+            return await self.batcher.run_decode(partial(_assemble, rows))
+        finally:
+            if not handed_over:
+                for segment in segments:
+                    if segment is not None:
+                        segment.arena.release(segment)
+
+    async def _keep_store_hits(
+        self,
+        keys: list[CacheKey],
+        results: list[torch.Tensor | None],
+        looked_up: list[int],
+        segments: list[Segment | None],
+    ) -> None:
+        """Copy each store hit into an arena segment kept as the local cache, so the request is
+        sent from the arena (no registration) and the next one finds it here. A store read
+        lands in memory of its own (an abandoned read may still write it), hence the copy; with
+        the arena full, the hit stays where it is and the request registers its own memory."""
+        assert self._arena is not None
+        placed: dict[CacheKey, Segment] = {}
+        for index in looked_up:
+            row, key = results[index], keys[index]
+            if row is None or segments[index] is not None:
+                continue
+            segment = placed.get(key)
+            if segment is None:
+                segment = self._arena.allocate(self.info.bytes_per_image)
+                if segment is None:
+                    continue
+                segments[index] = segment  # from here the caller's cleanup releases it
+                view = self.batcher.row_view(segment)
+                await self.batcher.run_decode(partial(view.copy_, row))
+                kept = self._arena.keep(segment, key)
+                if kept is not segment:  # another request kept this image meanwhile
+                    self._arena.lease(kept)
+                    self._arena.release(segment)
+                    segment = kept
+                placed[key] = segment
+            else:
+                self._arena.lease(segment)  # one lease per index, as lookups take
+            segments[index] = segment
+            results[index] = self.batcher.row_view(segment)
+
+    async def _look_up_store(
+        self, keys: list[CacheKey], results: list[torch.Tensor | None], missing: list[int]
+    ) -> None:
+        """Fill ``results`` from the store where it holds the image. Images already queued or
+        in a forward here are not looked up (joining that forward is cheaper), and an image
+        another request is already reading from the store waits for that read."""
+        assert self.store is not None
+        own: dict[CacheKey, list[int]] = {}
+        joined: dict[CacheKey, list[int]] = {}
+        for index in missing:
+            key = keys[index]
+            if key not in self.batcher.in_flight:
+                (joined if key in self._store_reads else own).setdefault(key, []).append(index)
+        others = {key: self._store_reads[key] for key in joined}
+        reads = {key: _StoreRead() for key in own}
+        self._store_reads.update(reads)
+        try:
+            if reads:
+                into = [self._landing_row() for _ in reads]
+                fingerprint = self.backend.fingerprint
+                found = await self.store.get([store_key(fingerprint, k) for k in reads], into)
+                # A miss's tensor may still be written by an abandoned read: it is dropped.
+                for read, tensor, hit in zip(reads.values(), into, found, strict=True):
+                    read.row = tensor if hit else None
+        finally:
+            # Whatever happened (a cancelled caller too), those waiting on these reads go on.
+            for key, read in reads.items():
+                read.done.set()
+                if self._store_reads.get(key) is read:
+                    del self._store_reads[key]
+        for read in others.values():
+            await read.done.wait()  # bounded: the reading request's lookup is
+        for key, indices in [*own.items(), *joined.items()]:
+            row = (reads.get(key) or others[key]).row
+            if row is not None and self._cache is not None:
+                self._cache.put(key, row)
+            elif row is None and self._cache is not None:
+                row = self._cache.get(key)  # a forward elsewhere may have finished meanwhile
+            for index in indices:
+                results[index] = row
+
+    def _landing_row(self) -> torch.Tensor:
+        """Memory for one image's embedding read from the store: the tensor the request then
+        sends from and the cache keeps, so a hit is never copied. An abandoned read may still
+        write it after the lookup gave up (the store keeps it alive until then); whatever
+        provides this memory must not reuse it while a reference to it remains."""
+        backend = self.backend
+        return torch.empty(backend.tokens_per_image, backend.hidden_size, dtype=backend.dtype)
+
+    async def _encode_missing(
+        self,
+        items: Sequence[bytes],
+        keys: list[CacheKey],
+        results: list[torch.Tensor | None],
+        missing: list[int],
+        segments: list[Segment | None],
+    ) -> None:
+        in_flight = self.batcher.in_flight
+        shared = [i for i in missing if keys[i] in in_flight]
+        own = [i for i in missing if keys[i] not in in_flight]
+        to_decode: dict[CacheKey, int] = {}  # one index per new image; duplicates share it
+        for index in own:
+            to_decode.setdefault(keys[index], index)
+        count = len(to_decode)
+        if self.queued_images + count > self.settings.queue_size:
+            self.observer.rejected(count)
+            raise Overloaded(
+                f"the encoder queue is full ({self.queued_images} of "
+                f"{self.settings.queue_size} images waiting); retry later"
+            )
+        request = _Request(results, remaining=len(missing), segments=segments)
+        try:
+            # Join before decoding, so a shared job that finishes meanwhile still delivers.
+            for index in shared:
+                self._wait_for(in_flight[keys[index]], request, index)
+            if to_decode:
+                pixels = await self.batcher.decode(items, list(to_decode.values()))
+                room = await self.batcher.reserve_segments(len(to_decode))
+                try:
+                    # A caller cancelled while its decode thread ran learns that first; only a
+                    # caller still wanted hears that the encoder stopped meanwhile.
+                    await trio.lowlevel.checkpoint_if_cancelled()
+                    if not self.batcher.running:
+                        raise self._not_running()
+                    pixels_by_key = dict(zip(to_decode, pixels, strict=True))
+                    self._queue_jobs(request, keys, own, pixels_by_key, room)
+                finally:
+                    release_all(room)  # what no new job took
+            await request.done.wait()
+        finally:
+            self._withdraw(request)
+        if request.error is not None:
+            raise request.error
+
+    def _queue_jobs(
+        self,
+        request: _Request,
+        keys: list[CacheKey],
+        indices: list[int],
+        pixels: dict[CacheKey, torch.Tensor],
+        room: list[Segment],
+    ) -> None:
+        """Wait for each image's job, queueing one only where no request queued it meanwhile
+        (while this one decoded). A new job takes a segment from ``room`` if any is left."""
+        now = trio.current_time()
+        for index in indices:
+            job = self.batcher.in_flight.get(keys[index])
+            if job is None:
+                segment = room.pop() if room else None
+                job = self.batcher.submit(keys[index], pixels[keys[index]], now, segment)
+            self._wait_for(job, request, index)
+
+    @staticmethod
+    def _wait_for(job: Job, request: _Request, index: int) -> None:
+        job.waiters.append((request, index))
+        request.jobs.add(job)
+
+    def _withdraw(self, request: _Request) -> None:
+        """The request no longer waits (done, failed or cancelled); the batcher drops what
+        nobody else waits for."""
+        for job in request.jobs:
+            self.batcher.withdraw(job, request)
+        request.jobs.clear()
+
+    def _not_running(self) -> RequestError:
+        if self.batcher.stopped:
+            return ShuttingDown("the encoder has stopped")
+        return NotReady("the encoder is not ready yet")
+
+
+def _checksummed(embedding: ArenaEmbedding) -> ArenaEmbedding:
+    """In a worker thread: compute the checksum (it reads every byte)."""
+    embedding.checksum  # noqa: B018 - computed here, remembered by the embedding
+    return embedding
+
+
+def _assemble(rows: list[torch.Tensor]) -> Embedding:
+    """In a worker thread: the request's rows as one embedding, its checksum computed (it
+    reads every byte, so not on the event loop)."""
+    if len(rows) == 1:
+        embedding = Embedding(rows[0])
+    else:
+        with torch.inference_mode():
+            embedding = Embedding(torch.cat(rows, dim=0))
+    embedding.checksum  # noqa: B018 - computed here, remembered by the embedding
+    return embedding
+
+
+def arena_for(settings: EncoderSettings) -> Arena | None:
+    """The arena of ``settings.arena_bytes`` (None when 0), bounded as the cache by
+    ``settings.cache_bytes``."""
+    if settings.arena_bytes <= 0:
+        return None
+    return Arena(settings.arena_bytes, cache_bytes=settings.cache_bytes)
