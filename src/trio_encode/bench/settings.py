@@ -65,7 +65,7 @@ class BenchConfig:
         help="Also time the asyncio peer (needs the bench extra: FastAPI and uvicorn).",
     )
     transfer_requests: int = setting(
-        16, group="bench", gt=0, help="req_ids per round, size and TP; every rank sends each."
+        32, group="bench", gt=0, help="req_ids per round, size and TP; every rank sends each."
     )
     encoder_rows: bool = setting(
         True, group="bench", help="Also measure /encode against the model's forward."
