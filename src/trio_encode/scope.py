@@ -188,7 +188,8 @@ class RequestScope:
         caller that is cancelled cannot take a running transfer down with it. A receiver that
         is already done is answered at once, marked as a repeat (its first answer was lost).
         """
-        await self._started.wait()
+        if not self._started.is_set():  # no scheduler pass when there is nothing to wait for
+            await self._started.wait()
         if receiver in self._done and self.shape is not None:
             assert self.receive_count is not None  # fixed before the first transfer
             return SendReport(self.shape, len(self._done), self.receive_count, repeat=True)
@@ -352,9 +353,12 @@ class RequestScope:
         leasing its segments asks the engine nothing; any other embedding is registered here,
         once for the request.
         """
-        await self._encoded.wait()
+        if not self._encoded.is_set():
+            await self._encoded.wait()
         if self._embedding is None:
             raise self._why_not_served()
+        if self._leases is not None:  # a sibling leased them: no lock, no scheduler pass
+            return list(self._embedding.segments)
         async with self._register_lock:
             if self._leases is None:
                 try:

@@ -47,6 +47,18 @@ class TransferRow:
     peer: Rate | None
     registrations_per_request: float
     """From the server's ``/metrics`` over the served phases."""
+    sends_per_rank: int = 0
+    """Sends each rank made in each timed phase, over all rounds."""
+    repeat_seconds: float | None = None
+    """The served phases' sends made again, answered as repeats: every byte had already
+    landed, so the same HTTP calls move nothing. What one ``/send`` costs besides the bytes."""
+
+    @property
+    def http_ms(self) -> float | None:
+        """Milliseconds per ``/send`` of one rank that move no bytes (see ``repeat_seconds``)."""
+        if self.repeat_seconds is None or self.sends_per_rank == 0:
+            return None
+        return 1000 * self.repeat_seconds / self.sends_per_rank
 
     @property
     def served_over_raw(self) -> float:
@@ -131,6 +143,7 @@ class BenchResult:
         for row, out in zip(self.transfers, data["transfers"], strict=True):
             out["served_over_raw"] = row.served_over_raw
             out["served_over_peer"] = row.served_over_peer
+            out["http_ms"] = row.http_ms
         if self.encoder is not None:
             data["encoder"]["ratio"] = self.encoder.ratio
             data["encoder"]["mean_batch"] = self.encoder.mean_batch
@@ -142,9 +155,10 @@ class BenchResult:
             f"torch threads {self.torch_threads}",
             "",
             "/send: every rank sends every req_id in turn; ranks and clients in a separate "
-            "process; the peer is an asyncio (FastAPI/uvicorn) model of the seed's fixed path",
+            "process; the peer is an asyncio (FastAPI/uvicorn) model of the seed's fixed path; "
+            "http ms: one rank's /send answered without moving bytes (a repeat)",
             f"{'embedding':>10}{'TP':>4}{'arena':>7}{'raw':>12}{'served':>12}{'peer':>12}"
-            f"{'served/raw':>12}{'served/peer':>13}{'reg/req':>9}",
+            f"{'served/raw':>12}{'served/peer':>13}{'reg/req':>9}{'http ms':>9}",
         ]
         for row in self.transfers:
             peer = f"{size_text(row.peer.per_second)}/s" if row.peer is not None else "-"
@@ -156,6 +170,7 @@ class BenchResult:
                 f"{row.served_over_raw:>12.2f}"
                 f"{'-' if over_peer is None else f'{over_peer:.2f}':>13}"
                 f"{row.registrations_per_request:>9.2f}"
+                f"{'-' if row.http_ms is None else f'{row.http_ms:.2f}':>9}"
             )
         e, h = self.encoder, self.health
         if e is not None:

@@ -178,6 +178,7 @@ async def _rows_for_size(
     peer: dict[int, list[float]] = {tp: [] for tp in config.tps}
     served: dict[tuple[int, bool], list[float]] = {}
     registrations: dict[tuple[int, bool], float] = {}
+    repeats: dict[tuple[int, bool], list[float]] = {}
     async with AsyncExitStack() as stack:
         servers = [
             await stack.enter_async_context(
@@ -198,9 +199,13 @@ async def _rows_for_size(
                         server.client, load, server.running.url, tp, req_ids, nbytes
                     )
                     made = await server.value("registrations_total") - before
-                    served.setdefault((tp, server.arena), []).append(seconds)
                     key = (tp, server.arena)
+                    served.setdefault(key, []).append(seconds)
                     registrations[key] = registrations.get(key, 0.0) + made
+                    progress.say(f"transfer {name}: the same sends again (repeats)")
+                    repeats.setdefault(key, []).append(
+                        await load.sends(server.running.url, req_ids, tp)
+                    )
                 if peer_url is not None:
                     progress.say(f"transfer {name}: peer")
                     req_ids = [f"p{round_}-{tp}-{nbytes}-{i}" for i in range(count)]
@@ -224,6 +229,8 @@ async def _rows_for_size(
                     served=Rate(moved, sum(served[tp, arena])),
                     peer=Rate(moved, sum(peer[tp])) if peer_url is not None else None,
                     registrations_per_request=registrations[tp, arena] / (config.rounds * count),
+                    sends_per_rank=config.rounds * count,
+                    repeat_seconds=sum(repeats[tp, arena]),
                 )
             )
     return rows

@@ -172,7 +172,7 @@ class KeepAliveTransport(httpx.AsyncBaseTransport):
                     ) from exc
                 continue
             raise httpx.ReadTimeout("no complete answer in time", request=request)
-        if answer.keep_alive and not answer.until_close() and not self._closed:
+        if answer.keep_alive and not self._closed:
             connection.idle_since = time.monotonic()
             self._idle.setdefault((request.url.host, request.url.port or 80), []).append(connection)
         else:

@@ -32,7 +32,7 @@ from pydantic.dataclasses import dataclass
 
 from trio_encode.declare import setting
 from trio_encode.engine.base import TRANSFER_FAILED, EngineError
-from trio_encode.engine.threads import EngineThreads, ThreadSettings
+from trio_encode.engine.threads import EngineThreads, ThreadSettings, run_in_thread
 
 _INSTALL_HINT = (
     "the Mooncake transfer engine is not usable: {error}. Install it with "
@@ -311,14 +311,9 @@ class MooncakeEngine:
         embedding needs no concatenation. Waits for a thread of the transfer pool and a slot
         of ``session_id``'s own bound first (see :mod:`trio_encode.engine.threads`)."""
         async with self.threads.session_slot(session_id):
-            code = await trio.to_thread.run_sync(
-                write_segments,
-                self._raw,
-                session_id,
-                list(segments),
-                remote_address,
-                abandon_on_cancel=False,
-                limiter=self.threads.transfers,
+            code = await run_in_thread(
+                partial(write_segments, self._raw, session_id, list(segments), remote_address),
+                self.threads.transfers,
             )
         if code != 0:
             raise EngineError(

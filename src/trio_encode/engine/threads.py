@@ -13,15 +13,68 @@ forward pass. So:
 
 Waiting for a thread is a checkpoint a cancelled caller leaves from without starting its call;
 once a thread runs, the call runs to completion (the engines never abandon a thread).
+
+Every pass through Trio's scheduler on the way to a thread costs a send the time the event loop
+takes to run every other ready task once, which under load is a good part of a millisecond.
+So :func:`run_in_thread` and :meth:`EngineThreads.session_slot` take a free token without
+yielding first (``trio.to_thread.run_sync`` always yields once, even when a thread is free);
+they still leave at once when the caller is already cancelled, and still wait when no token
+is free.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
+import outcome
 import trio
+
+T = TypeVar("T")
+
+
+async def _acquire(limiter: trio.CapacityLimiter, borrower: object) -> None:
+    """A token for ``borrower``: at once when one is free, else after waiting for one."""
+    await trio.lowlevel.checkpoint_if_cancelled()
+    try:
+        limiter.acquire_on_behalf_of_nowait(borrower)
+    except trio.WouldBlock:
+        await limiter.acquire_on_behalf_of(borrower)
+
+
+async def run_in_thread(fn: Callable[[], T], limiter: trio.CapacityLimiter) -> T:
+    """``fn()`` in a worker thread holding a token of ``limiter``; its result or exception.
+
+    ``trio.to_thread.run_sync(fn, limiter=limiter, abandon_on_cancel=False)`` without the
+    scheduler pass it makes before starting the thread. A caller cancelled before the thread
+    starts leaves without running ``fn``; once it runs, the caller waits for it to finish
+    (never abandoned) and sees the cancellation at its next checkpoint.
+    """
+    borrower = object()
+    await _acquire(limiter, borrower)
+    task = trio.lowlevel.current_task()
+    token = trio.lowlevel.current_trio_token()
+
+    def back_in_trio(result: outcome.Outcome[T]) -> None:
+        limiter.release_on_behalf_of(borrower)
+        trio.lowlevel.reschedule(task, outcome.Value(result))
+
+    def deliver(result: outcome.Outcome[T]) -> None:
+        token.run_sync_soon(back_in_trio, result)
+
+    try:
+        trio.lowlevel.start_thread_soon(fn, deliver)
+    except BaseException:
+        limiter.release_on_behalf_of(borrower)
+        raise
+
+    def never_abandon(_: Any) -> trio.lowlevel.Abort:
+        return trio.lowlevel.Abort.FAILED
+
+    result: outcome.Outcome[T] = await trio.lowlevel.wait_task_rescheduled(never_abandon)
+    return result.unwrap()
 
 
 @dataclass(frozen=True)
@@ -70,7 +123,7 @@ class EngineThreads:
             )
         token = object()
         try:
-            await limiter.acquire_on_behalf_of(token)
+            await _acquire(limiter, token)
             try:
                 yield
             finally:
