@@ -7,14 +7,15 @@ calls them all missing. This handler imports the name from the module the refere
 in, finds where the object is defined, and links there. An object defined outside the package
 (the standard library, Trio, torch...) is shown as plain text: the build fetches no other
 project's inventory, so there is nothing to link to, and that is not an error. So is a private
-name (``_Region``), which the reference does not document. A name the import cannot reach (one
-imported only for type checking) links to the one documented object whose name ends with it.
+name (``_Region``), which the reference does not document, and a type variable (``T``). A name
+the import cannot reach (one imported only for type checking) links to the one documented
+object whose name ends with it.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import Any, TypeVar
 
 from docutils.nodes import Element
 from sphinx.addnodes import pending_xref
@@ -84,6 +85,9 @@ def resolve(
     domain: Any = env.get_domain("py")
     documented = domain.objects
     for name in _candidates(node):
+        found = _lookup(name)
+        if found is not None and isinstance(found[0], TypeVar):
+            return contnode  # a type variable (``T``) is a placeholder, not a page
         defined = _defined_as(name)
         if defined is None:
             continue
