@@ -1,10 +1,11 @@
 """The :class:`TransferEngine` over Mooncake's ``mooncake.engine.TransferEngine``.
 
 Every Mooncake call blocks, so each runs in a Trio worker thread. The threads are never
-abandoned (``abandon_on_cancel=False``, Trio's default, spelled out at each call): a thread
-cannot be stopped, and a caller that walked away from a running transfer could free or
-deregister memory the thread is still reading. A cancelled caller therefore waits for its call
-to finish, and sees the cancellation at its next checkpoint.
+abandoned (:func:`~trio_encode.engine.threads.run_in_thread`, and ``abandon_on_cancel=False``
+where ``trio.to_thread`` is used): a thread cannot be stopped, and a caller that walked away
+from a running transfer could free or deregister memory the thread is still reading. A
+cancelled caller therefore waits for its call to finish, and sees the cancellation at its next
+checkpoint.
 
 Transfers do not use the binding's ``transfer_sync_write`` (nor ``batch_transfer_sync_write``):
 both wait for completion by calling ``getTransferStatus`` in a loop with no pause, so every
@@ -272,12 +273,8 @@ class MooncakeEngine:
 
     async def register(self, address: int, length: int) -> None:
         """Register ``[address, address + length)``; -7 if it overlaps a live registration."""
-        code = await trio.to_thread.run_sync(
-            self._raw.register_memory,
-            address,
-            length,
-            abandon_on_cancel=False,
-            limiter=self.threads.control,
+        code = await run_in_thread(
+            partial(self._raw.register_memory, address, length), self.threads.control
         )
         if code != 0:
             raise EngineError(
@@ -286,11 +283,8 @@ class MooncakeEngine:
 
     async def deregister(self, address: int) -> None:
         """Release the registration starting at ``address``; -3 if none starts there."""
-        code = await trio.to_thread.run_sync(
-            self._raw.unregister_memory,
-            address,
-            abandon_on_cancel=False,
-            limiter=self.threads.control,
+        code = await run_in_thread(
+            partial(self._raw.unregister_memory, address), self.threads.control
         )
         if code != 0:
             raise EngineError("deregister", int(code), address=address, session_id=self.session_id)
