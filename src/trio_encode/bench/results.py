@@ -154,9 +154,9 @@ class BenchResult:
             f"trio-encode bench: {self.rounds} alternating rounds, {self.seconds:.0f} s in all; "
             f"torch threads {self.torch_threads}",
             "",
-            "/send: every rank sends every req_id in turn; ranks and clients in a separate "
-            "process; the peer is an asyncio (FastAPI/uvicorn) model of the seed's fixed path; "
-            "http ms: one rank's /send answered without moving bytes (a repeat)",
+            "/send: every rank sends every req_id in turn; ranks and clients in a separate process",
+            "  peer: an asyncio (FastAPI/uvicorn) model of the seed's fixed path; "
+            "http ms: one rank's /send answered as a repeat (no bytes moved)",
             f"{'embedding':>10}{'TP':>4}{'arena':>7}{'raw':>12}{'served':>12}{'peer':>12}"
             f"{'served/raw':>12}{'served/peer':>13}{'reg/req':>9}{'http ms':>9}",
         ]
