@@ -60,6 +60,9 @@ def test_bench_measures_every_row_and_leaves_nothing_behind(tmp_path: Path) -> N
         assert _positive_finite(row.served_over_raw)
         assert _positive_finite(row.served_over_peer)
         assert row.registrations_per_request == (0 if row.arena else 1)
+        # The same sends again, answered as repeats: timed, every rank's last landing checked.
+        assert row.sends_per_rank == 2 * 3
+        assert _positive_finite(row.http_ms)
     assert result.encoder is not None
     assert result.health is not None
     assert result.encoder.raw_images > 0
@@ -75,6 +78,7 @@ def test_bench_measures_every_row_and_leaves_nothing_behind(tmp_path: Path) -> N
     assert table.count("\n") >= 8 + 2
     assert "served/peer" in table
     assert "reg/req" in table
+    assert "http ms" in table
     assert "encoder builtin-vit" in table
     assert "/health every 50 ms" in table
     json.dumps(result.to_json(), default=str)  # serialisable
@@ -95,6 +99,7 @@ def test_bench_command_prints_json() -> None:
     assert row["peer"] is None
     assert row["registrations_per_request"] == 0
     assert _positive_finite(row["served_over_raw"])
+    assert _positive_finite(row["http_ms"])
     assert data["encoder"] is None
 
 
