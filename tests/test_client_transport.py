@@ -21,6 +21,7 @@ from typing import Literal
 import httpx
 import pytest
 import trio
+import trio.testing
 
 from trio_encode.client import EncodeClient
 from trio_encode.client import http as client_http
@@ -277,6 +278,36 @@ async def test_a_connection_idle_past_keepalive_expiry_is_dropped() -> None:
         assert (await client.get(f"{server.url}/")).content == b"1"
         await ended(server.connections[0])
         assert [seen.connection for seen in server.seen] == [0, 1]
+
+
+async def test_no_more_than_max_idle_connections_stay_open_after_a_burst() -> None:
+    """Three concurrent calls open three connections; with ``max_idle=1`` two are closed as
+    their answers complete, and the next call reuses the one kept."""
+    release = trio.Event()
+
+    async with (
+        serving(lambda seen: answering(b"%d" % seen.index)) as server,
+        keep_alive_client(max_idle=1) as client,
+    ):
+
+        async def call() -> None:
+            await release.wait()
+            assert (await client.get(f"{server.url}/")).status_code == 200
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(3):
+                nursery.start_soon(call)
+            await trio.testing.wait_all_tasks_blocked()
+            release.set()
+        assert len(server.connections) == 3
+        for connection in server.connections:
+            with trio.move_on_after(SOON):
+                await connection.ended.wait()
+        assert sum(connection.ended.is_set() for connection in server.connections) == 2
+        (kept,) = [c.index for c in server.connections if not c.ended.is_set()]
+        await client.get(f"{server.url}/")
+        assert server.seen[-1].connection == kept
+        assert len(server.connections) == 3
 
 
 # -- answer framing ----------------------------------------------------------------------------

@@ -30,6 +30,9 @@ import trio
 KEEPALIVE_EXPIRY = 2.0
 """Seconds an idle connection is kept: under the 5 s after which hypercorn and uvicorn close
 idle connections, so the client drops one first instead of writing into a closing one."""
+MAX_IDLE = 32
+"""Idle connections kept per server: a burst of concurrent calls opens one connection each,
+and only this many stay open after it (the rest are closed as their answers complete)."""
 
 
 @dataclass(eq=False)
@@ -90,8 +93,11 @@ def _deadline(seconds: float | None) -> float:
 class KeepAliveTransport(httpx.AsyncBaseTransport):
     """``httpx.AsyncClient(transport=KeepAliveTransport())``: see the module's docstring."""
 
-    def __init__(self, *, keepalive_expiry: float = KEEPALIVE_EXPIRY) -> None:
+    def __init__(
+        self, *, keepalive_expiry: float = KEEPALIVE_EXPIRY, max_idle: int = MAX_IDLE
+    ) -> None:
         self._expiry = keepalive_expiry
+        self._max_idle = max_idle
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
         self._closed = False
 
@@ -172,9 +178,10 @@ class KeepAliveTransport(httpx.AsyncBaseTransport):
                     ) from exc
                 continue
             raise httpx.ReadTimeout("no complete answer in time", request=request)
-        if answer.keep_alive and not self._closed:
+        idle = self._idle.setdefault((request.url.host, request.url.port or 80), [])
+        if answer.keep_alive and not self._closed and len(idle) < self._max_idle:
             connection.idle_since = time.monotonic()
-            self._idle.setdefault((request.url.host, request.url.port or 80), []).append(connection)
+            idle.append(connection)
         else:
             await trio.aclose_forcefully(connection.stream)
         return httpx.Response(
