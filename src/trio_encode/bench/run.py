@@ -203,11 +203,11 @@ async def _rows_for_size(
                     served.setdefault(key, []).append(seconds)
                     registrations[key] = registrations.get(key, 0.0) + made
                     progress.say(f"transfer {name}: the same sends again (repeats)")
-                    moved = await server.value("transfer_bytes_total")
+                    landed = await server.value("transfer_bytes_total")
                     repeats.setdefault(key, []).append(
                         await load.sends(server.running.url, req_ids, tp)
                     )
-                    if await server.value("transfer_bytes_total") != moved:
+                    if await server.value("transfer_bytes_total") != landed:
                         raise RuntimeError("a repeated /send moved bytes: the http ms are wrong")
                 if peer_url is not None:
                     progress.say(f"transfer {name}: peer")

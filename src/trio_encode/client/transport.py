@@ -113,10 +113,11 @@ class KeepAliveTransport(httpx.AsyncBaseTransport):
         payload = _serialise(request, await request.aread())
         connection = await self._checkout(key, request)
         try:
-            response = await self._exchange(connection, request, payload)
+            response, keep_alive = await self._exchange(connection, request, payload)
         except BaseException:
             await trio.aclose_forcefully(connection.stream)
             raise
+        await self._check_in(key, connection, keep_alive)
         return response
 
     async def aclose(self) -> None:
@@ -142,9 +143,22 @@ class KeepAliveTransport(httpx.AsyncBaseTransport):
             return _Connection(stream)
         raise httpx.ConnectTimeout(f"no connection to {key[0]}:{key[1]} in time", request=request)
 
+    async def _check_in(
+        self, key: tuple[str, int], connection: _Connection, keep_alive: bool
+    ) -> None:
+        """Keep the connection for the next call when its answer allows it and there is room."""
+        idle = self._idle.setdefault(key, [])
+        if keep_alive and not self._closed and len(idle) < self._max_idle:
+            connection.idle_since = time.monotonic()
+            idle.append(connection)
+        else:
+            await trio.aclose_forcefully(connection.stream)
+
     async def _exchange(
         self, connection: _Connection, request: httpx.Request, payload: bytes
-    ) -> httpx.Response:
+    ) -> tuple[httpx.Response, bool]:
+        """Write the request and read its whole answer; the answer and whether the
+        connection may carry another call."""
         timeouts = _timeouts(request)
         with trio.move_on_at(_deadline(timeouts.get("write"))) as writing:
             try:
@@ -178,19 +192,14 @@ class KeepAliveTransport(httpx.AsyncBaseTransport):
                     ) from exc
                 continue
             raise httpx.ReadTimeout("no complete answer in time", request=request)
-        idle = self._idle.setdefault((request.url.host, request.url.port or 80), [])
-        if answer.keep_alive and not self._closed and len(idle) < self._max_idle:
-            connection.idle_since = time.monotonic()
-            idle.append(connection)
-        else:
-            await trio.aclose_forcefully(connection.stream)
-        return httpx.Response(
+        response = httpx.Response(
             parser.get_status_code(),
             headers=answer.headers,
             content=b"".join(answer.body),
             extensions={"http_version": b"HTTP/1.1"},
             request=request,
         )
+        return response, answer.keep_alive
 
 
 def _serialise(request: httpx.Request, body: bytes) -> bytes:
