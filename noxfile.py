@@ -101,7 +101,11 @@ def simulate(session: nox.Session) -> None:
     the store, under Zipf popularity; redraws the plot in docs/ (about 20 s)."""
     _install(session, "group:simulate")
     session.run(
-        "python", "-m", "trio_encode.bench.routing_sim", "--plot", "docs/img/routing_hit_rate.png"
+        "python",
+        "-m",
+        "trio_encode.tools.bench.routing_sim",
+        "--plot",
+        "docs/img/routing_hit_rate.png",
     )
 
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 import trio
 
+from support.engines import RankEngines, create_rank_engines
 from trio_encode.engine import TransferEngine
 from trio_encode.engine.mooncake import MooncakeEngine, MooncakeSettings
 from trio_encode.settings import ENV_PREFIX
@@ -182,3 +183,10 @@ async def engine_pair(
     yield pair
     await pair.sender.cleanup()
     await pair.receiver.cleanup()
+
+
+@pytest.fixture(scope="session")
+def rank_engines() -> RankEngines:
+    """Mooncake engines for a server and ``TP`` ranks, made once per session in a ``trio.run``
+    of their own (trio fixtures cannot outlive one test)."""
+    return trio.run(create_rank_engines)

@@ -62,7 +62,7 @@ MUTANTS: dict[str, Mutant] = {
         ),
     ),
     "requests sharing memory each register (failure 10)": Mutant(
-        "registrations.py",
+        "ledger.py",
         "            if region is None:\n                return await self._register",
         "            if True:\n                return await self._register",
         (
@@ -81,12 +81,12 @@ MUTANTS: dict[str, Mutant] = {
         ),
         also=(
             (
-                "registrations.py",
+                "ledger.py",
                 "        region = _Region(address, length, owners=[owner])",
                 "        region = _Region(address, length)",
             ),
             (
-                "registrations.py",
+                "ledger.py",
                 "            region.owners.append(owner)\n",
                 "            pass\n",
             ),
@@ -132,7 +132,7 @@ MUTANTS: dict[str, Mutant] = {
         (INVARIANTS + "test_client_disconnect_before_its_transfer_starts_withdraws_it",),
     ),
     "lease granted on a region still registering": Mutant(
-        "registrations.py",
+        "ledger.py",
         '            if region.state in ("registering", "deregistering"):',
         '            if region.state == "deregistering":',
         (
@@ -141,13 +141,13 @@ MUTANTS: dict[str, Mutant] = {
         ),
     ),
     "lease granted on a region being deregistered": Mutant(
-        "registrations.py",
+        "ledger.py",
         '            if region.state in ("registering", "deregistering"):',
         '            if region.state == "registering":',
         ("tests/test_registration_ledger.py::test_lease_waits_for_a_region_being_deregistered",),
     ),
     "a lease spins on a region being deregistered": Mutant(
-        "registrations.py",
+        "ledger.py",
         "        region.settled = trio.Event()  # a fresh one",
         "        pass  # a fresh one",
         ("tests/test_registration_ledger.py::test_lease_waiting_for_a_deregistration_blocks",),
@@ -159,7 +159,7 @@ MUTANTS: dict[str, Mutant] = {
         (FAULTS + "test_a_withdrawn_send_never_writes_after_its_retry_answered",),
     ),
     "a scope opens inside its opener's cancellation (failure 12)": Mutant(
-        "registry.py",
+        "scopes.py",
         "        with trio.CancelScope(shield=True):\n            await self._nursery.start",
         "        if True:\n            await self._nursery.start",
         (FAULTS + "test_an_openers_disconnect_does_not_end_the_request_for_its_siblings",),
@@ -191,7 +191,7 @@ MUTANTS: dict[str, Mutant] = {
         (FAULTS + "test_an_unexpected_error_ends_only_its_own_request",),
     ),
     "a failed deregistration frees the memory (failure 17)": Mutant(
-        "registrations.py",
+        "ledger.py",
         "            else:\n                self._quarantine(region)\n            raise",
         "            else:\n                self._forget(region)\n            raise",
         (
@@ -200,7 +200,7 @@ MUTANTS: dict[str, Mutant] = {
         ),
     ),
     "a served rank's lost answer becomes a 410 (failure 18)": Mutant(
-        "registry.py",
+        "scopes.py",
         "        if tomb is None or tomb.shape is None or receiver not in tomb.done:",
         "        if True:",
         (FAULTS + "test_a_served_receiver_that_retries_after_completion_gets_its_answer_again",),

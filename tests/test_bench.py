@@ -16,12 +16,12 @@ import trio
 from click.testing import CliRunner
 from PIL import Image
 
-from trio_encode.bench.load import natural_jpegs
-from trio_encode.bench.results import BenchResult
-from trio_encode.bench.run import run_bench
-from trio_encode.bench.settings import BenchConfig
 from trio_encode.cli import cli
 from trio_encode.encoder import EncoderSettings
+from trio_encode.tools.bench.load import natural_jpegs
+from trio_encode.tools.bench.results import BenchResult
+from trio_encode.tools.bench.run import run_bench
+from trio_encode.tools.bench.settings import BenchConfig
 
 TINY = EncoderSettings(
     image_size=32, patch_size=8, width=32, depth=2, heads=2, hidden_size=64, max_batch_size=2

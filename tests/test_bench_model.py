@@ -10,9 +10,9 @@ import torch
 import trio
 import trio.testing
 
-from trio_encode.bench.model import PATHS, run_model
-from trio_encode.engine.costs import RDMA, CallCost, CostModel
+from trio_encode.testing.costs import RDMA, CallCost, CostModel
 from trio_encode.testing.memory_engine import InMemoryFabric
+from trio_encode.tools.bench.rdma_model import PATHS, run_model
 
 FLAT = CostModel(
     name="flat",

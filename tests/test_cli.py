@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Any
 
 import httpx
 import pytest
@@ -18,9 +19,9 @@ from click.testing import CliRunner
 import trio_encode.server.serve
 from trio_encode.cli import cli
 from trio_encode.encoder import EncoderSettings
-from trio_encode.engine.faults import FaultPlan
 from trio_encode.service import ShutdownReport
 from trio_encode.settings import ServerSettings
+from trio_encode.testing.faults import FaultPlan, FaultyEngine
 
 SETTINGS = {
     "--host": "TRIO_ENCODE_HOST",
@@ -43,7 +44,6 @@ SETTINGS = {
     "--remember-released": "TRIO_ENCODE_REMEMBER_RELEASED",
     "--remember-seconds": "TRIO_ENCODE_REMEMBER_SECONDS",
     "--warmup": "TRIO_ENCODE_WARMUP",
-    "--engine-faults": "TRIO_ENCODE_ENGINE_FAULTS",
     "--log-level": "TRIO_ENCODE_LOG_LEVEL",
     "--image-size": "TRIO_ENCODE_IMAGE_SIZE",
     "--patch-size": "TRIO_ENCODE_PATCH_SIZE",
@@ -89,12 +89,19 @@ def test_serve_help_names_every_setting_and_its_variable() -> None:
 
 
 @pytest.fixture
-def captured(monkeypatch: pytest.MonkeyPatch) -> list[ServerSettings]:
-    """Replaces the server with one that records its settings and stops at once."""
+def wrappers() -> list[Any]:
+    return []
+
+
+@pytest.fixture
+def captured(monkeypatch: pytest.MonkeyPatch, wrappers: list[Any]) -> list[ServerSettings]:
+    """Replaces the server with one that records its settings (and its engine wrapper, in
+    ``wrappers``) and stops at once."""
     seen: list[ServerSettings] = []
 
-    async def fake_run_server(settings: ServerSettings) -> ShutdownReport:
+    async def fake_run_server(settings: ServerSettings, *, wrap_engine: Any) -> ShutdownReport:
         seen.append(settings)
+        wrappers.append(wrap_engine)
         return ShutdownReport(finished=0, cut_short=0)
 
     monkeypatch.setattr(trio_encode.server.serve, "run_server", fake_run_server)
@@ -206,13 +213,17 @@ def test_encoder_settings_that_do_not_fit_together_are_a_usage_error(
     assert not captured
 
 
-def test_engine_faults_are_off_unless_asked_for(captured: list[ServerSettings]) -> None:
+def test_engine_faults_are_off_unless_asked_for(
+    captured: list[ServerSettings], wrappers: list[Any]
+) -> None:
     assert CliRunner().invoke(cli, ["serve"]).exit_code == 0
-    env = {"TRIO_ENCODE_ENGINE_FAULTS": "register=0.01,transfer=0.02,seed=3"}
-    assert CliRunner().invoke(cli, ["serve"], env=env).exit_code == 0
-    off, on = captured
-    assert off.engine_faults is None
-    assert on.engine_faults == FaultPlan(register=0.01, transfer=0.02, seed=3)
+    plan = ["--engine-faults", "register=0.01,transfer=0.02,seed=3"]
+    assert CliRunner().invoke(cli, ["serve", *plan]).exit_code == 0
+    engine: Any = object()  # the wrapper only holds it
+    off, on = (wrap(engine) for wrap in wrappers)
+    assert off is engine
+    assert isinstance(on, FaultyEngine)
+    assert on.plan == FaultPlan(register=0.01, transfer=0.02, seed=3)
     refused = CliRunner().invoke(cli, ["serve", "--engine-faults", "transfer=3"])
     assert refused.exit_code == 2
     assert "not in [0, 1]" in refused.output

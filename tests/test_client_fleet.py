@@ -10,7 +10,7 @@ import pytest
 import torch
 import trio
 
-from support.engines import Fleet, fleet_fixture  # noqa: F401  (the fixture)
+from support.engines import RankEngines
 from support.harness import landing_pools, serving
 from trio_encode.client import EncodeResult, LandingPool
 from trio_encode.client.fleet import EncoderList, FleetClient, NoEncoderAvailable
@@ -35,10 +35,10 @@ def _landed(pool: LandingPool, answer: EncodeResult, address: int) -> torch.Tens
     return pool.tensor[offset : offset + answer.embedding_size]
 
 
-async def test_a_dead_encoder_is_failed_over_then_skipped(fleet: Fleet) -> None:
+async def test_a_dead_encoder_is_failed_over_then_skipped(rank_engines: RankEngines) -> None:
     async with (
-        serving(fleet.server) as harness,
-        landing_pools(fleet, 2 * embedding_size(1)) as pools,
+        serving(rank_engines.server) as harness,
+        landing_pools(rank_engines, 2 * embedding_size(1)) as pools,
     ):
         encoders = [DEAD, harness.running.url]
         item = _item_ranking_first(DEAD, encoders)
@@ -71,12 +71,12 @@ async def test_no_encoder_up_is_a_clear_error() -> None:
 
 
 async def test_a_forced_split_lands_correct_bytes_everywhere_and_is_counted(
-    fleet: Fleet,
+    rank_engines: RankEngines,
 ) -> None:
     async with (
-        serving(fleet.server, send_timeout=1.0) as first,
-        serving(fleet.server, send_timeout=1.0) as second,
-        landing_pools(fleet, embedding_size(1)) as pools,
+        serving(rank_engines.server, send_timeout=1.0) as first,
+        serving(rank_engines.server, send_timeout=1.0) as second,
+        landing_pools(rank_engines, embedding_size(1)) as pools,
     ):
         encoders = [first.running.url, second.running.url]
         item = _item_ranking_first(first.running.url, encoders)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from support.engines import DEAD_SESSION, Fleet, fleet_fixture  # noqa: F401  (the fixture)
+from support.engines import DEAD_SESSION, RankEngines
 from support.harness import landing_pools, serving
 from trio_encode.client import EncodeClient, EngineFailed, RequestRejected
 from trio_encode.errors import (
@@ -20,11 +20,13 @@ from trio_encode.testing.stand_in_encoder import embedding_size, image_uri
 ITEM = image_uri(b"client image")
 
 
-async def test_errors_come_back_typed_with_status_message_and_req_id(fleet: Fleet) -> None:
+async def test_errors_come_back_typed_with_status_message_and_req_id(
+    rank_engines: RankEngines,
+) -> None:
     stray = torch.zeros(embedding_size(1), dtype=torch.uint8)
     async with (
-        serving(fleet.server, max_body_bytes=4096, shutdown_grace=0.1) as harness,
-        landing_pools(fleet, 2 * embedding_size(1)) as pools,
+        serving(rank_engines.server, max_body_bytes=4096, shutdown_grace=0.1) as harness,
+        landing_pools(rank_engines, 2 * embedding_size(1)) as pools,
     ):
         client = harness.client
         with pytest.raises(InvalidInput) as bad:
@@ -59,8 +61,8 @@ async def test_errors_come_back_typed_with_status_message_and_req_id(fleet: Flee
             assert await other.health()
 
 
-async def test_a_token_the_server_does_not_share_is_rejected(fleet: Fleet) -> None:
-    async with serving(fleet.server, token="right") as harness:
+async def test_a_token_the_server_does_not_share_is_rejected(rank_engines: RankEngines) -> None:
+    async with serving(rank_engines.server, token="right") as harness:
         async with EncodeClient(harness.running.url, token="wrong") as client:
             with pytest.raises(Unauthorized) as rejected:
                 await client.encode("t", [ITEM])

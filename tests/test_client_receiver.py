@@ -5,12 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from support.engines import Fleet, fleet_fixture  # noqa: F401  (the fixture)
+from support.engines import RankEngines
 from trio_encode.client import LandingPool, PoolExhausted
 
 
-async def test_slots_are_aligned_disjoint_and_reused_after_release(fleet: Fleet) -> None:
-    async with LandingPool.open(fleet.ranks[0], 4096) as pool:
+async def test_slots_are_aligned_disjoint_and_reused_after_release(
+    rank_engines: RankEngines,
+) -> None:
+    async with LandingPool.open(rank_engines.ranks[0], 4096) as pool:
         a, b = pool.allocate(100), pool.allocate(1000)
         assert a.address == pool.address
         assert b.address == pool.address + 128  # 100 rounded up to the 64-byte alignment
@@ -23,8 +25,8 @@ async def test_slots_are_aligned_disjoint_and_reused_after_release(fleet: Fleet)
         assert pool.allocate(4096).address == pool.address  # neighbours merged again
 
 
-async def test_a_slot_reads_back_as_the_embedding_it_holds(fleet: Fleet) -> None:
-    async with LandingPool.open(fleet.ranks[0], 1 << 16) as pool:
+async def test_a_slot_reads_back_as_the_embedding_it_holds(rank_engines: RankEngines) -> None:
+    async with LandingPool.open(rank_engines.ranks[0], 1 << 16) as pool:
         expected = torch.randn(8, 16).to(torch.bfloat16)
         slot = pool.allocate(expected.numel() * 2)
         slot.raw()[:] = expected.view(-1).view(torch.uint8)

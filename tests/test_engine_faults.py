@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from trio_encode.engine import ADDRESS_OVERLAPPED, INVALID_ADDRESS, TRANSFER_FAILED, EngineError
-from trio_encode.engine.faults import FaultPlan, FaultyEngine
+from trio_encode.testing.faults import FaultPlan, FaultyEngine
 
 if TYPE_CHECKING:
     from conftest import BufferPool, EnginePair

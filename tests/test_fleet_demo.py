@@ -4,7 +4,7 @@ encoder killed half-way; every rank served, every byte checked, the table printe
 from __future__ import annotations
 
 from support.cluster import TINY_MODEL
-from trio_encode.fleet_demo import FleetDemoConfig, run_fleet_demo
+from trio_encode.tools.fleet_demo import FleetDemoConfig, run_fleet_demo
 
 
 async def test_the_fleet_demo_survives_a_killed_encoder_and_prints_its_table() -> None:

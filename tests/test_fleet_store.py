@@ -15,7 +15,7 @@ import pytest
 import trio
 
 from support.cluster import EncoderProcess, Master, noise_png, start_encoders, start_master
-from support.engines import Fleet, fleet_fixture  # noqa: F401  (the fixture)
+from support.engines import RankEngines
 from support.harness import landing_pools
 from trio_encode.client import EncodeClient, FleetClient, LandingPool
 from trio_encode.client.ranking import content_digest, rank
@@ -69,10 +69,10 @@ async def _until(check: Callable[[], bool], within: float = 10.0) -> None:
 
 
 async def test_an_image_encoded_by_one_encoder_is_served_by_another_without_a_forward(
-    cluster: Cluster, fleet: Fleet
+    cluster: Cluster, rank_engines: RankEngines
 ) -> None:
     item = noise_png(1)
-    async with landing_pools(fleet, 2 * EMBEDDING) as pools:
+    async with landing_pools(rank_engines, 2 * EMBEDDING) as pools:
         first = await _encode_and_send(cluster.a.url, "store-a", item, pools[0])
         assert cluster.a.forwards() == 1
         await _until(lambda: cluster.a.metric("store_puts_total", result="stored") == 1)
@@ -89,10 +89,10 @@ async def test_an_image_encoded_by_one_encoder_is_served_by_another_without_a_fo
 
 
 async def test_a_different_model_never_hits_anothers_entries(
-    cluster: Cluster, fleet: Fleet
+    cluster: Cluster, rank_engines: RankEngines
 ) -> None:
     item = noise_png(1)  # stored by the float32 encoders in the test before
-    async with landing_pools(fleet, EMBEDDING) as pools:
+    async with landing_pools(rank_engines, EMBEDDING) as pools:
         landed = await _encode_and_send(cluster.bf16.url, "store-bf16", item, pools[0])
     assert len(landed) == EMBEDDING // 2
     assert cluster.bf16.forwards() == 1
@@ -100,7 +100,9 @@ async def test_a_different_model_never_hits_anothers_entries(
     assert cluster.bf16.metric("store_lookups_total", result="miss") == 1
 
 
-async def test_killing_an_encoder_mid_run_loses_no_request(cluster: Cluster, fleet: Fleet) -> None:
+async def test_killing_an_encoder_mid_run_loses_no_request(
+    cluster: Cluster, rank_engines: RankEngines
+) -> None:
     urls = [cluster.a.url, cluster.b.url]
     # Two images that rank the encoder to be killed first, two that rank the survivor first.
     images: list[str] = []
@@ -109,10 +111,10 @@ async def test_killing_an_encoder_mid_run_loses_no_request(cluster: Cluster, fle
             s for s in range(100, 400) if rank(urls, content_digest([noise_png(s)]))[0] == wanted
         )
         images += [noise_png(next(seeds)), noise_png(next(seeds))]
-    tp = len(fleet.ranks)
+    tp = len(rank_engines.ranks)
     requests = 8
     landed: dict[int, set[bytes]] = {i: set() for i in range(len(images))}
-    async with landing_pools(fleet, EMBEDDING) as pools:
+    async with landing_pools(rank_engines, EMBEDDING) as pools:
         clients = [FleetClient(urls) for _ in range(tp)]
 
         async def rank_request(req: int, r: int) -> None:
@@ -145,7 +147,7 @@ async def test_killing_an_encoder_mid_run_loses_no_request(cluster: Cluster, fle
 
 
 async def test_with_the_master_down_requests_still_succeed_and_say_so(
-    cluster: Cluster, fleet: Fleet
+    cluster: Cluster, rank_engines: RankEngines
 ) -> None:
     cluster.master.stop()
     results = ("hit", "miss", "error", "timeout", "unavailable")
@@ -154,7 +156,7 @@ async def test_with_the_master_down_requests_still_succeed_and_say_so(
         return {r: cluster.a.metric("store_lookups_total", result=r) for r in results}
 
     before, forwards = lookups(), cluster.a.forwards()
-    async with landing_pools(fleet, EMBEDDING) as pools:
+    async with landing_pools(rank_engines, EMBEDDING) as pools:
         with trio.fail_after(5):
             await _encode_and_send(cluster.a.url, "no-master", noise_png(999), pools[0])
     assert cluster.a.forwards() == forwards + 1

@@ -14,7 +14,7 @@ from dataclasses import replace
 import torch
 import trio
 
-from support.engines import TP, Fleet, fleet_fixture  # noqa: F401  (the fixture)
+from support.engines import TP, RankEngines
 from support.harness import P, landing_pools, serving
 from test_http_real_encoder import SMALL, direct, png_uri
 from trio_encode.client import EncodeClient, LandingPool, LandingSlot, metric_value
@@ -46,15 +46,17 @@ async def run_ranks(
     return landed
 
 
-async def test_tp4_over_the_arena_registers_once_for_all_requests(fleet: Fleet) -> None:
+async def test_tp4_over_the_arena_registers_once_for_all_requests(
+    rank_engines: RankEngines,
+) -> None:
     """Six requests of two images (one image shared by every request: a cache hit after the
     first), four ranks each: one registration in all, and every rank gets the right bytes."""
     encoder = ImageEncoder.from_settings(replace(SMALL, arena_bytes=4 << 20))
     shared = png_uri(900)
     requests = {f"arena-{i}": [png_uri(300 + i), shared] for i in range(6)}
     async with (
-        serving(fleet.server, encoder=encoder) as harness,
-        landing_pools(fleet, len(requests) * 2 * ROW + 4096) as pools,
+        serving(rank_engines.server, encoder=encoder) as harness,
+        landing_pools(rank_engines, len(requests) * 2 * ROW + 4096) as pools,
     ):
         landed = await run_ranks(harness.client, pools, requests)
         text = await harness.settled()
@@ -72,14 +74,16 @@ async def test_tp4_over_the_arena_registers_once_for_all_requests(fleet: Fleet) 
     assert metric_value(text, P + "engine_errors_total") == 0
 
 
-async def test_a_full_arena_falls_back_to_per_request_registration(fleet: Fleet) -> None:
+async def test_a_full_arena_falls_back_to_per_request_registration(
+    rank_engines: RankEngines,
+) -> None:
     """An arena with room for one image: two-image requests do not fit, so each registers its
     own embedding (counted as a fallback) and is served all the same, byte for byte."""
     encoder = ImageEncoder.from_settings(replace(SMALL, arena_bytes=ROW, cache_bytes=0))
     requests = {f"full-{i}": [png_uri(500 + 2 * i), png_uri(501 + 2 * i)] for i in range(3)}
     async with (
-        serving(fleet.server, encoder=encoder) as harness,
-        landing_pools(fleet, len(requests) * 2 * ROW + 4096) as pools,
+        serving(rank_engines.server, encoder=encoder) as harness,
+        landing_pools(rank_engines, len(requests) * 2 * ROW + 4096) as pools,
     ):
         landed = await run_ranks(harness.client, pools, requests)
         text = await harness.settled()

@@ -17,7 +17,7 @@ import httpx
 import pytest
 import torch
 
-from support.engines import DEAD_SESSION, Fleet, fleet_fixture  # noqa: F401  (the fixture)
+from support.engines import DEAD_SESSION, RankEngines
 from support.harness import Harness, landing_pools, serving
 from trio_encode.client import LandingPool
 from trio_encode.testing.stand_in_encoder import embedding_size, image_uri
@@ -325,10 +325,12 @@ async def _post(harness: Harness, route: str, body: bytes | dict[str, Any]) -> h
 
 
 @pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
-async def test_bad_input_gets_a_contract_error_and_leaves_nothing(fleet: Fleet, case: Case) -> None:
+async def test_bad_input_gets_a_contract_error_and_leaves_nothing(
+    rank_engines: RankEngines, case: Case
+) -> None:
     async with (
-        serving(fleet.server, max_body_bytes=MAX_BODY) as harness,
-        landing_pools(fleet, 16 * embedding_size(1)) as pools,
+        serving(rank_engines.server, max_body_bytes=MAX_BODY) as harness,
+        landing_pools(rank_engines, 16 * embedding_size(1)) as pools,
     ):
         ctx = Ctx(harness, pools)
         for req_id, receive_count in case.open.items():
@@ -358,9 +360,11 @@ async def test_bad_input_gets_a_contract_error_and_leaves_nothing(fleet: Fleet, 
         assert f'route="{case.route}",status="{case.status}"' in text
 
 
-async def test_routes_outside_the_contract_answer_in_its_error_shape(fleet: Fleet) -> None:
+async def test_routes_outside_the_contract_answer_in_its_error_shape(
+    rank_engines: RankEngines,
+) -> None:
     async with (
-        serving(fleet.server) as harness,
+        serving(rank_engines.server) as harness,
         httpx.AsyncClient(base_url=harness.running.url) as http,
     ):
         missing = await http.get("/nope")
@@ -375,9 +379,11 @@ async def test_routes_outside_the_contract_answer_in_its_error_shape(fleet: Flee
             assert response.json()["req_id"] is None
 
 
-async def test_a_token_guards_encode_and_send_but_not_health_or_metrics(fleet: Fleet) -> None:
+async def test_a_token_guards_encode_and_send_but_not_health_or_metrics(
+    rank_engines: RankEngines,
+) -> None:
     async with (
-        serving(fleet.server, token="s3cret", shutdown_grace=0.1) as harness,
+        serving(rank_engines.server, token="s3cret", shutdown_grace=0.1) as harness,
         httpx.AsyncClient(base_url=harness.running.url) as http,
     ):
         for headers in ({}, {"Authorization": "Bearer wrong"}):

@@ -6,7 +6,7 @@ import pytest
 import torch
 import trio
 
-from support.engines import TP, Fleet, fleet_fixture  # noqa: F401  (the fixture)
+from support.engines import TP, RankEngines
 from support.harness import P, landing_pools, serving
 from trio_encode.client import ChecksumMismatch, LandingSlot, metric_value
 from trio_encode.errors import RequestReleased
@@ -20,12 +20,12 @@ def _images(req: int) -> list[bytes]:
     return [f"image {req}.{i}".encode() * 50 for i in range(IMAGES)]
 
 
-async def test_tp4_ranks_encode_and_send_many_requests_at_once(fleet: Fleet) -> None:
+async def test_tp4_ranks_encode_and_send_many_requests_at_once(rank_engines: RankEngines) -> None:
     size = embedding_size(IMAGES)
     landed: dict[tuple[int, int], tuple[LandingSlot, int]] = {}
     async with (
-        serving(fleet.server) as harness,
-        landing_pools(fleet, REQUESTS * size + 4096) as pools,
+        serving(rank_engines.server) as harness,
+        landing_pools(rank_engines, REQUESTS * size + 4096) as pools,
     ):
 
         async def rank(req: int, r: int) -> None:
@@ -69,14 +69,14 @@ async def test_tp4_ranks_encode_and_send_many_requests_at_once(fleet: Fleet) -> 
 
 
 async def test_a_rank_whose_answer_was_lost_gets_it_again_after_completion(
-    fleet: Fleet,
+    rank_engines: RankEngines,
 ) -> None:
     """The request completed; one rank never saw its 200 and retries: 200 again, marked as a
     repeat. A rank that was never served is told 410, and a corrupted copy fails to verify."""
     size = embedding_size(1)
     async with (
-        serving(fleet.server) as harness,
-        landing_pools(fleet, 2 * size + 4096) as pools,
+        serving(rank_engines.server) as harness,
+        landing_pools(rank_engines, 2 * size + 4096) as pools,
     ):
         item = [image_uri(b"lost answer")]
         encoded = await harness.client.encode("lost", item, receive_count=1)

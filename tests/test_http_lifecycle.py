@@ -12,7 +12,7 @@ import pytest
 import torch
 import trio
 
-from support.engines import TP, DelayedTransferEngine, Fleet, fleet_fixture  # noqa: F401
+from support.engines import TP, DelayedTransferEngine, RankEngines
 from support.harness import Harness, landing_pools, serving
 from trio_encode.client import EncodeClient, LandingSlot
 from trio_encode.errors import RequestReleased, ScopeExpired
@@ -44,10 +44,10 @@ def _untouched(slot: LandingSlot) -> bool:
 
 
 async def test_client_disconnecting_mid_transfer_the_transfer_completes_and_counts(
-    fleet: Fleet,
+    rank_engines: RankEngines,
 ) -> None:
-    engine = DelayedTransferEngine(fleet.server, delay=0.5)
-    async with serving(engine) as harness, landing_pools(fleet, 4 * SIZE) as pools:
+    engine = DelayedTransferEngine(rank_engines.server, delay=0.5)
+    async with serving(engine) as harness, landing_pools(rank_engines, 4 * SIZE) as pools:
         await harness.client.encode("gone", [image_uri(IMAGE)], receive_count=2)
         slot = pools[0].allocate(SIZE)
         with trio.move_on_after(0.15) as waited:
@@ -66,13 +66,13 @@ async def test_client_disconnecting_mid_transfer_the_transfer_completes_and_coun
 
 
 async def test_client_disconnecting_before_its_transfer_started_it_never_happens(
-    fleet: Fleet,
+    rank_engines: RankEngines,
 ) -> None:
     encoder = StandInEncoder(slow_seconds=0.6)
     slow_image = b"SLOW" + IMAGE
     async with (
-        serving(fleet.server, encoder) as harness,
-        landing_pools(fleet, 4 * SIZE) as pools,
+        serving(rank_engines.server, encoder) as harness,
+        landing_pools(rank_engines, 4 * SIZE) as pools,
         trio.open_nursery() as nursery,
     ):
         nursery.start_soon(
@@ -96,11 +96,13 @@ async def test_client_disconnecting_before_its_transfer_started_it_never_happens
         await harness.settled()
 
 
-async def test_a_receiver_that_never_calls_is_ended_by_the_backstop(fleet: Fleet) -> None:
+async def test_a_receiver_that_never_calls_is_ended_by_the_backstop(
+    rank_engines: RankEngines,
+) -> None:
     encoder = StandInEncoder(slow_seconds=30)
     async with (
-        serving(fleet.server, encoder, send_timeout=1.5) as harness,
-        landing_pools(fleet, 4 * SIZE) as pools,
+        serving(rank_engines.server, encoder, send_timeout=1.5) as harness,
+        landing_pools(rank_engines, 4 * SIZE) as pools,
     ):
         # "lonely": 3 of 4 ranks send; the 4th never calls.
         for rank in range(TP - 1):
@@ -149,11 +151,13 @@ async def test_a_receiver_that_never_calls_is_ended_by_the_backstop(fleet: Fleet
             assert late_answer.value.status == 410  # type: ignore[attr-defined]
 
 
-async def test_shutdown_with_transfers_in_flight_releases_everything(fleet: Fleet) -> None:
-    engine = DelayedTransferEngine(fleet.server, delay=2.0)
+async def test_shutdown_with_transfers_in_flight_releases_everything(
+    rank_engines: RankEngines,
+) -> None:
+    engine = DelayedTransferEngine(rank_engines.server, delay=2.0)
     requests = 3
     slots: dict[tuple[int, int], LandingSlot] = {}
-    async with landing_pools(fleet, requests * SIZE + 4096) as pools:
+    async with landing_pools(rank_engines, requests * SIZE + 4096) as pools:
         async with serving(engine, shutdown_grace=0.5) as harness:
 
             async def rank(req: int, r: int) -> None:

@@ -9,7 +9,7 @@ import httpx
 import pytest
 import trio
 
-from support.engines import Fleet, fleet_fixture  # noqa: F401  (the fixture)
+from support.engines import RankEngines
 from support.harness import P, landing_pools, serving
 from trio_encode.client import metric_value
 from trio_encode.server.loading import LoadingEncoder
@@ -31,7 +31,7 @@ async def _until_status(http: httpx.AsyncClient, route: str, status: int) -> htt
 
 
 async def test_readyz_is_503_until_the_model_has_loaded_while_livez_answers(
-    fleet: Fleet,
+    rank_engines: RankEngines,
 ) -> None:
     loaded = threading.Event()
 
@@ -41,7 +41,7 @@ async def test_readyz_is_503_until_the_model_has_loaded_while_livez_answers(
 
     loading = LoadingEncoder(load)
     async with (
-        serving(fleet.server, encoder=loading, shutdown_grace=0.1) as harness,
+        serving(rank_engines.server, encoder=loading, shutdown_grace=0.1) as harness,
         httpx.AsyncClient(base_url=harness.running.url) as http,
     ):
         loading.start_loading()
@@ -63,9 +63,9 @@ async def test_readyz_is_503_until_the_model_has_loaded_while_livez_answers(
         await harness.running.service.shutdown()
 
 
-async def test_draining_fails_readiness_but_not_liveness(fleet: Fleet) -> None:
+async def test_draining_fails_readiness_but_not_liveness(rank_engines: RankEngines) -> None:
     async with (
-        serving(fleet.server, shutdown_grace=1.0) as harness,
+        serving(rank_engines.server, shutdown_grace=1.0) as harness,
         httpx.AsyncClient(base_url=harness.running.url) as http,
     ):
         await harness.client.encode("open", [ITEM], receive_count=2)  # keeps shutdown waiting
@@ -81,11 +81,11 @@ async def test_draining_fails_readiness_but_not_liveness(fleet: Fleet) -> None:
 
 @pytest.mark.parametrize("enabled", [True, False])
 async def test_one_access_log_line_per_answer(
-    fleet: Fleet, enabled: bool, caplog: pytest.LogCaptureFixture
+    rank_engines: RankEngines, enabled: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
     with caplog.at_level(logging.INFO, logger="trio_encode.access"):
         async with (
-            serving(fleet.server, access_log=enabled, shutdown_grace=0.1) as harness,
+            serving(rank_engines.server, access_log=enabled, shutdown_grace=0.1) as harness,
             httpx.AsyncClient(base_url=harness.running.url) as http,
         ):
             await harness.client.encode("logged", [ITEM])
@@ -107,10 +107,12 @@ async def test_one_access_log_line_per_answer(
     assert (missing.path, missing.status, missing.req_id) == ("/nope", 404, None)  # type: ignore[attr-defined]
 
 
-async def test_metrics_time_each_route_and_scope_and_name_the_build(fleet: Fleet) -> None:
+async def test_metrics_time_each_route_and_scope_and_name_the_build(
+    rank_engines: RankEngines,
+) -> None:
     async with (
-        serving(fleet.server) as harness,
-        landing_pools(fleet, 2 * embedding_size(1)) as pools,
+        serving(rank_engines.server) as harness,
+        landing_pools(rank_engines, 2 * embedding_size(1)) as pools,
     ):
         await harness.client.encode("m", [ITEM])
         await harness.client.send("m", pools[0].session_id, pools[0].address)

@@ -15,7 +15,7 @@ import torch
 import trio
 from PIL import Image
 
-from support.engines import TP, Fleet, fleet_fixture  # noqa: F401  (the fixture)
+from support.engines import TP, RankEngines
 from support.harness import P, landing_pools, serving
 from trio_encode.client import LandingSlot, metric_value
 from trio_encode.encoder import EncoderSettings, ImageEncoder, decode_image
@@ -50,14 +50,16 @@ def direct(encoder: ImageEncoder, uris: list[str]) -> torch.Tensor:
     return torch.cat(rows)
 
 
-async def test_tp4_ranks_with_the_real_encoder_every_byte_checked(fleet: Fleet) -> None:
+async def test_tp4_ranks_with_the_real_encoder_every_byte_checked(
+    rank_engines: RankEngines,
+) -> None:
     encoder = ImageEncoder.from_settings(SMALL)
     requests = {f"vit-{i}": [png_uri(100 + 2 * i), png_uri(101 + 2 * i)] for i in range(6)}
     landed: dict[tuple[str, int], LandingSlot] = {}
     per_request = 2 * 16 * 256 * 4
     async with (
-        serving(fleet.server, encoder=encoder) as harness,
-        landing_pools(fleet, len(requests) * per_request + 4096) as pools,
+        serving(rank_engines.server, encoder=encoder) as harness,
+        landing_pools(rank_engines, len(requests) * per_request + 4096) as pools,
     ):
 
         async def rank(req_id: str, r: int) -> None:
@@ -83,7 +85,9 @@ async def test_tp4_ranks_with_the_real_encoder_every_byte_checked(fleet: Fleet) 
         assert metric_value(text, P + "engine_errors_total") == 0
 
 
-async def test_cache_hit_across_requests_registers_the_shared_memory_once(fleet: Fleet) -> None:
+async def test_cache_hit_across_requests_registers_the_shared_memory_once(
+    rank_engines: RankEngines,
+) -> None:
     """Invariant 1 over the real engine: request b is a cache hit on request a's image, so
     both embeddings are one tensor. While a is still live (one of its two ranks has sent), b
     leases a's registration instead of registering the same bytes again."""
@@ -91,8 +95,8 @@ async def test_cache_hit_across_requests_registers_the_shared_memory_once(fleet:
     uri = png_uri(7)
     size = 16 * 256 * 4
     async with (
-        serving(fleet.server, encoder=encoder) as harness,
-        landing_pools(fleet, 4 * size) as pools,
+        serving(rank_engines.server, encoder=encoder) as harness,
+        landing_pools(rank_engines, 4 * size) as pools,
     ):
         slots = [pool.allocate(size) for pool in pools]
         with trio.fail_after(60):

@@ -22,9 +22,9 @@ import trio
 
 from trio_encode.client import metric_value
 from trio_encode.encoder import EncoderSettings
-from trio_encode.soak.drill import Call, Rank, Workload, post
-from trio_encode.soak.receiver import ReceiverProcess, open_receiver
-from trio_encode.soak.server import ServerProcess, open_server_process
+from trio_encode.tools.soak.drill import Call, Rank, Workload, post
+from trio_encode.tools.soak.receiver import ReceiverProcess, open_receiver
+from trio_encode.tools.soak.server import ServerProcess, open_server_process
 
 TINY = EncoderSettings(image_size=32, patch_size=16, width=32, depth=1, heads=1, hidden_size=1024)
 SEND_TIMEOUT = 3.0

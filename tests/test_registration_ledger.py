@@ -12,7 +12,7 @@ import torch
 import trio
 import trio.testing
 
-from trio_encode.registrations import Lease, RegistrationLedger
+from trio_encode.ledger import Lease, RegistrationLedger
 from trio_encode.testing.memory_engine import InMemoryFabric
 
 NBYTES = 4096

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trio_encode.bench.routing_sim import SimConfig, affinity_encoders, simulate, table
+from trio_encode.tools.bench.routing_sim import SimConfig, affinity_encoders, simulate, table
 
 SMALL = SimConfig(
     images=2_000,
@@ -38,7 +38,7 @@ def test_the_simulation_routes_with_the_clients_own_ranking() -> None:
 
 
 def test_the_plot_is_drawn(tmp_path: Path) -> None:
-    from trio_encode.bench.routing_sim import plot
+    from trio_encode.tools.bench.routing_sim import plot
 
     tiny = SimConfig(images=200, requests=1_000, cache_entries=10, fleet_sizes=(1, 2))
     path = tmp_path / "plot.png"

@@ -15,10 +15,10 @@ import torch
 import trio
 import trio.testing
 
-from lifecycle_rig import Rig, gather_sends, lifecycle_rig
+from support.lifecycle_rig import Rig, gather_sends, lifecycle_rig
 from trio_encode.arena import Arena, Segment
 from trio_encode.embedding import ArenaEmbedding
-from trio_encode.registrations import Lease
+from trio_encode.ledger import Lease
 from trio_encode.request_types import SendReport
 
 ROWS, DIM = 64, 32

@@ -13,8 +13,8 @@ import pytest
 import trio
 import trio.testing
 
-from lifecycle_rig import Landing, Rig, lifecycle_rig, make_embedding
-from naive_scope import EmbeddingGone, NaiveScope
+from support.lifecycle_rig import Landing, Rig, lifecycle_rig, make_embedding
+from support.naive_scope import EmbeddingGone, NaiveScope
 from trio_encode.engine import ADDRESS_OVERLAPPED, EngineError
 from trio_encode.request_types import Receiver
 

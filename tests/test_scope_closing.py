@@ -11,7 +11,7 @@ import pytest
 import trio
 import trio.testing
 
-from lifecycle_rig import gather_sends, lifecycle_rig
+from support.lifecycle_rig import gather_sends, lifecycle_rig
 
 NBYTES = 64 * 32 * 4
 

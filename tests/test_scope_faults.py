@@ -18,7 +18,7 @@ import pytest
 import trio
 import trio.testing
 
-from lifecycle_rig import lifecycle_rig, make_embedding
+from support.lifecycle_rig import lifecycle_rig, make_embedding
 from trio_encode.embedding import Embedding, checksum_of
 from trio_encode.engine import INVALID_ADDRESS, TRANSFER_FAILED, EngineError
 from trio_encode.engine.threads import ThreadSettings

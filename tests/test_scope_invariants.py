@@ -14,7 +14,7 @@ import torch
 import trio
 import trio.testing
 
-from lifecycle_rig import gather_sends, lifecycle_rig, make_embedding
+from support.lifecycle_rig import gather_sends, lifecycle_rig, make_embedding
 from trio_encode.embedding import Embedding
 from trio_encode.engine import TRANSFER_FAILED, EngineError
 from trio_encode.errors import (

@@ -12,7 +12,7 @@ import pytest
 import trio
 import trio.testing
 
-from lifecycle_rig import Rig, lifecycle_rig
+from support.lifecycle_rig import Rig, lifecycle_rig
 from trio_encode.errors import ReceiveCountConflict, RequestReleased, ScopeExpired
 from trio_encode.request_types import Receiver, SendReport
 

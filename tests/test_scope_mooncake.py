@@ -16,9 +16,9 @@ import trio
 from trio_encode.embedding import Embedding
 from trio_encode.engine import TransferEngine
 from trio_encode.engine.mooncake import MooncakeEngine
-from trio_encode.registrations import RegistrationLedger
-from trio_encode.registry import ScopeRegistry
+from trio_encode.ledger import RegistrationLedger
 from trio_encode.request_types import EmbeddingMemory, Encode, Receiver, SendReport
+from trio_encode.scopes import ScopeRegistry
 
 MIB = 1 << 20
 

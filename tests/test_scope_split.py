@@ -6,7 +6,7 @@ from __future__ import annotations
 import trio
 import trio.testing
 
-from lifecycle_rig import lifecycle_rig
+from support.lifecycle_rig import lifecycle_rig
 
 
 async def test_a_scope_left_short_is_freed_by_its_backstop_and_counted_as_a_split(

@@ -16,7 +16,7 @@ import pytest
 import trio
 import trio.testing
 
-from lifecycle_rig import make_embedding
+from support.lifecycle_rig import make_embedding
 from trio_encode.embedding import Embedding
 from trio_encode.errors import (
     EncodeFailed,

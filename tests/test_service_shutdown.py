@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import trio
 import trio.testing
 
-from lifecycle_rig import make_embedding
+from support.lifecycle_rig import make_embedding
 from trio_encode.embedding import Embedding
 from trio_encode.errors import InvalidInput, ShuttingDown
 from trio_encode.request_types import Receiver

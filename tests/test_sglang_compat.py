@@ -24,7 +24,7 @@ import httpx
 import pytest
 import trio
 
-from support.engines import TP, Fleet, fleet_fixture  # noqa: F401  (the fixture)
+from support.engines import TP, RankEngines
 from support.harness import Harness, P, landing_pools, serving
 from trio_encode.client import LandingPool, metric_value
 from trio_encode.testing.stand_in_encoder import embedding_size, expected_embedding, image_uri
@@ -165,9 +165,12 @@ async def run_request(
     return encodes, ranks
 
 
-async def test_one_part_one_image_pulls_after_encode(fleet: Fleet) -> None:
+async def test_one_part_one_image_pulls_after_encode(rank_engines: RankEngines) -> None:
     image = b"one image" * 40
-    async with serving(fleet.server) as harness, landing_pools(fleet, 1 << 20) as pools:
+    async with (
+        serving(rank_engines.server) as harness,
+        landing_pools(rank_engines, 1 << 20) as pools,
+    ):
         encodes, ranks = await run_request(
             harness, pools, "rid-a", [[image_uri(image)]], pulls_first=False
         )
@@ -183,7 +186,7 @@ async def test_one_part_one_image_pulls_after_encode(fleet: Fleet) -> None:
         assert metric_value(text, P + "backstop_expiries_total") == 0
 
 
-async def test_two_multi_image_parts_pulled_before_the_encode(fleet: Fleet) -> None:
+async def test_two_multi_image_parts_pulled_before_the_encode(rank_engines: RankEngines) -> None:
     """Two parts of two and three images, items as strings and as ``{"url": ...}`` objects
     with SGLang's per-item options; the ranks pull before the tokenizer's /encode arrives."""
     part0 = [b"part0 image0" * 30, b"part0 image1" * 30]
@@ -196,7 +199,10 @@ async def test_two_multi_image_parts_pulled_before_the_encode(fleet: Fleet) -> N
             {"url": image_uri(part1[2])},
         ],
     ]
-    async with serving(fleet.server) as harness, landing_pools(fleet, 1 << 22) as pools:
+    async with (
+        serving(rank_engines.server) as harness,
+        landing_pools(rank_engines, 1 << 22) as pools,
+    ):
         encodes, ranks = await run_request(harness, pools, "rid-b", items, pulls_first=True)
         assert [r.status_code for r in encodes] == [200, 200]
         for rank in ranks:
@@ -211,9 +217,12 @@ async def test_two_multi_image_parts_pulled_before_the_encode(fleet: Fleet) -> N
         assert len(harness.running.service.arrivals) == 0
 
 
-async def test_many_requests_at_once_in_both_orders(fleet: Fleet) -> None:
+async def test_many_requests_at_once_in_both_orders(rank_engines: RankEngines) -> None:
     """Requests overlap, some with pulls first and some after; every copy is exact."""
-    async with serving(fleet.server) as harness, landing_pools(fleet, 1 << 23) as pools:
+    async with (
+        serving(rank_engines.server) as harness,
+        landing_pools(rank_engines, 1 << 23) as pools,
+    ):
         results: dict[int, list[Rank]] = {}
 
         async def request(n: int) -> None:
@@ -234,13 +243,13 @@ async def test_many_requests_at_once_in_both_orders(fleet: Fleet) -> None:
         await harness.settled()
 
 
-async def test_a_failed_encode_fails_every_rank_with_its_message(fleet: Fleet) -> None:
+async def test_a_failed_encode_fails_every_rank_with_its_message(rank_engines: RankEngines) -> None:
     """Part 1's encoder run fails: every rank's pull of it gets 500 and the encoder's message
     (SGLang logs ``message``); part 0's scope still ends (its backstop here), nothing leaks."""
     items = [[image_uri(b"fine" * 30)], [image_uri(b"FAIL" * 30)]]
     async with (
-        serving(fleet.server, send_timeout=2.0) as harness,
-        landing_pools(fleet, 1 << 20) as pools,
+        serving(rank_engines.server, send_timeout=2.0) as harness,
+        landing_pools(rank_engines, 1 << 20) as pools,
     ):
         encodes, ranks = await run_request(harness, pools, "rid-f", items, pulls_first=True)
         assert [r.status_code for r in encodes] == [200, 500]
@@ -253,8 +262,8 @@ async def test_a_failed_encode_fails_every_rank_with_its_message(fleet: Fleet) -
         assert len(harness.running.service.arrivals) == 0
 
 
-async def test_a_pull_for_an_id_no_encode_names_gets_504(fleet: Fleet) -> None:
-    async with serving(fleet.server, pull_timeout=0.3) as harness:
+async def test_a_pull_for_an_id_no_encode_names_gets_504(rank_engines: RankEngines) -> None:
+    async with serving(rank_engines.server, pull_timeout=0.3) as harness:
         async with httpx.AsyncClient(base_url=harness.running.url) as http:
             response = await http.post(
                 "/scheduler_receive_meta_data", json={"req_id": "never", "part_idx": 0}
@@ -276,10 +285,10 @@ async def test_a_pull_for_an_id_no_encode_names_gets_504(fleet: Fleet) -> None:
     ],
 )
 async def test_sglang_bodies_that_are_wrong_get_400_and_leave_nothing(
-    fleet: Fleet, change: dict[str, Any], complaint: str
+    rank_engines: RankEngines, change: dict[str, Any], complaint: str
 ) -> None:
     body = tokenizer_bodies("bad", [[image_uri(b"x" * 30)]])[0] | change
-    async with serving(fleet.server) as harness:
+    async with serving(rank_engines.server) as harness:
         async with httpx.AsyncClient(base_url=harness.running.url) as http:
             response = await http.post("/encode", json=body)
         assert response.status_code == 400
@@ -288,13 +297,16 @@ async def test_sglang_bodies_that_are_wrong_get_400_and_leave_nothing(
         assert len(harness.running.service.registry) == 0
 
 
-async def test_multi_images_modality_and_hashes_are_accepted(fleet: Fleet) -> None:
+async def test_multi_images_modality_and_hashes_are_accepted(rank_engines: RankEngines) -> None:
     image = b"multi" * 30
     body = tokenizer_bodies("mi", [[image_uri(image)]])[0] | {
         "modality": "multi_images",
         "hashes": ["not-trusted"],
     }
-    async with serving(fleet.server) as harness, landing_pools(fleet, 1 << 20) as pools:
+    async with (
+        serving(rank_engines.server) as harness,
+        landing_pools(rank_engines, 1 << 20) as pools,
+    ):
         async with httpx.AsyncClient(base_url=harness.running.url) as http:
             encoded = await http.post("/encode", json=body)
             assert encoded.status_code == 200

@@ -4,7 +4,7 @@ every kind of fault, all checks as in the full soak (``nox -s soak``)."""
 from __future__ import annotations
 
 from trio_encode.encoder import EncoderSettings
-from trio_encode.soak.run import SoakConfig, run_soak
+from trio_encode.tools.soak.run import SoakConfig, run_soak
 
 TINY = EncoderSettings(
     image_size=32,

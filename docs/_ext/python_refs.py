@@ -1,7 +1,7 @@
 """Resolve the Python references that autodoc leaves dangling, by importing what they name.
 
 Type hints and docstrings name objects the way the module that uses them imported them: a
-bare ``EngineError`` in :mod:`trio_encode.registrations`, ``trio_encode.engine.EngineError``
+bare ``EngineError`` in :mod:`trio_encode.ledger`, ``trio_encode.engine.EngineError``
 (a re-export), ``Path``. Sphinx looks each up only under the name as written, so nitpicky mode
 calls them all missing. This handler imports the name from the module the reference was written
 in, finds where the object is defined, and links there. An object defined outside the package

@@ -15,11 +15,11 @@ from docutils import nodes
 from sphinx.application import Sphinx
 from sphinx.util.docutils import SphinxDirective
 
-from trio_encode.bench.settings import BenchConfig
 from trio_encode.cli import _is_bool, _metavar, _shown_default
 from trio_encode.declare import GROUPS
-from trio_encode.demo import DemoSettings
 from trio_encode.settings import Setting, catalog, model_fields
+from trio_encode.tools.bench.settings import BenchConfig
+from trio_encode.tools.demo import DemoSettings
 
 HEADERS = ("flag", "variable", "config key", "type", "default", "help")
 WIDTHS = (18, 22, 14, 10, 8, 28)

@@ -16,6 +16,7 @@ import os
 import sys
 import typing
 from collections.abc import Callable, Iterable
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -27,14 +28,15 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import SettingsError
 
 from trio_encode import __version__
-from trio_encode.bench.settings import BenchConfig
 from trio_encode.declare import GROUPS, Group
-from trio_encode.demo import DemoSettings
 from trio_encode.engine import EngineError
-from trio_encode.engine.costs import MODELS
 from trio_encode.logs import setup_logging
 from trio_encode.settings import ServerSettings, Setting, catalog, describe_error, model_fields
 from trio_encode.sizes import format_size, parse_size
+from trio_encode.testing.costs import MODELS
+from trio_encode.testing.faults import DrillSettings
+from trio_encode.tools.bench.settings import BenchConfig
+from trio_encode.tools.demo import DemoSettings
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -211,13 +213,16 @@ def cli() -> None:
 
 @cli.command(cls=GroupedCommand)
 @server_options(*SERVE_GROUPS)
+@model_options(DrillSettings)
 def serve(**options: Any) -> None:
     """Serve POST /encode, POST /send, GET /health and GET /metrics until SIGINT/SIGTERM."""
-    settings = load_settings(given(options))
+    own = given(options, model_fields(DrillSettings))
+    drill: DrillSettings = build(DrillSettings, own)
+    settings = load_settings(given(options, set(options) - set(own)))
     setup_logging(settings.log_level, settings.log_format)
     from trio_encode.server.serve import run_server
 
-    report = _run(run_server, settings)
+    report = _run(partial(run_server, wrap_engine=drill.wrap), settings)
     click.echo(
         f"stopped: {report.finished} requests finished during shutdown, "
         f"{report.cut_short} cut short",
@@ -239,7 +244,7 @@ def demo(**options: Any) -> None:
     config: DemoSettings = build(DemoSettings, own)
     setup_logging(config.log_level)
     settings = load_settings(given(options, set(options) - set(own)), port=0)
-    from trio_encode.demo import run_demo
+    from trio_encode.tools.demo import run_demo
 
     outcome = _run(run_demo, settings, config)
     # Leave without destructors: each Mooncake engine takes about a second to stop its
@@ -279,7 +284,7 @@ def bench(cost_model: str | None, as_json: bool, **options: Any) -> None:
     settings = load_settings(given(options, set(options) - set(own)))
     config: BenchConfig = build(BenchConfig, own, encoder=settings.encoder, engine=settings.engine)
     if cost_model is not None:
-        from trio_encode.bench.model import run_model
+        from trio_encode.tools.bench.rdma_model import run_model
 
         modelled = run_model(MODELS[cost_model], list(config.sizes), config.tps)
         if as_json:
@@ -287,7 +292,7 @@ def bench(cost_model: str | None, as_json: bool, **options: Any) -> None:
         else:
             click.echo(modelled.table())
         return
-    from trio_encode.bench.run import run_bench
+    from trio_encode.tools.bench.run import run_bench
 
     result = _run(run_bench, config)
     if as_json:
@@ -357,7 +362,7 @@ def fleet(
     bytes; exits non-zero otherwise. Servers' logs go to a temporary directory.
     """
     setup_logging("ERROR")
-    from trio_encode.fleet_demo import FleetDemoConfig, run_fleet_demo
+    from trio_encode.tools.fleet_demo import FleetDemoConfig, run_fleet_demo
 
     config = FleetDemoConfig(
         encoders=encoders,
@@ -462,8 +467,8 @@ def soak(
     a table; exits non-zero if any check failed. Several minutes with the defaults.
     """
     setup_logging("WARNING")
-    from trio_encode.engine.faults import FaultPlan
-    from trio_encode.soak.run import SoakConfig, run_soak
+    from trio_encode.testing.faults import FaultPlan
+    from trio_encode.tools.soak.run import SoakConfig, run_soak
 
     settings = load_settings(given(options))
     try:

@@ -34,8 +34,8 @@ from trio_encode.errors import (
     ScopeExpired,
     ShuttingDown,
 )
+from trio_encode.ledger import Lease, PartialOverlap, RegistrationLedger
 from trio_encode.observer import LifecycleObserver
-from trio_encode.registrations import Lease, PartialOverlap, RegistrationLedger
 from trio_encode.request_types import (
     EmbeddingMemory,
     EmbeddingShape,

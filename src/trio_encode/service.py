@@ -25,10 +25,10 @@ from trio_encode.arrivals import Arrivals
 from trio_encode.declare import setting
 from trio_encode.engine import EngineError, TransferEngine
 from trio_encode.errors import EncodeNotArrived, InvalidInput, ShuttingDown
+from trio_encode.ledger import Lease, RegistrationLedger
 from trio_encode.observer import LifecycleObserver, NullObserver
-from trio_encode.registrations import Lease, RegistrationLedger
-from trio_encode.registry import ScopeRegistry
 from trio_encode.request_types import EmbeddingMemory, EmbeddingShape, Receiver, SendReport
+from trio_encode.scopes import ScopeRegistry
 
 log = logging.getLogger(__name__)
 

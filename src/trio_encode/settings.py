@@ -38,7 +38,6 @@ from pydantic_settings import (
 
 from trio_encode.declare import Group, setting
 from trio_encode.encoder.settings import EncoderSettings
-from trio_encode.engine.faults import FaultPlan
 from trio_encode.engine.mooncake import MooncakeSettings
 from trio_encode.service import ServiceSettings
 from trio_encode.sizes import ByteSize, MiB
@@ -50,14 +49,6 @@ LogLevel = Annotated[
     Literal["DEBUG", "INFO", "WARNING", "ERROR"],
     BeforeValidator(lambda value: value.upper() if isinstance(value, str) else value),
 ]
-
-
-def _fault_plan(value: Any) -> Any:
-    """A plan written as text (a flag, a variable, the config file) -> :class:`FaultPlan`."""
-    return FaultPlan.parse(value) if isinstance(value, str) else value
-
-
-EngineFaults = Annotated[FaultPlan, BeforeValidator(_fault_plan)]
 
 
 def _not_empty(token: str | None) -> str | None:
@@ -132,13 +123,6 @@ class ServerSettings(BaseSettings):
         group="server",
         ge=0,
         help="How often the free pages inside malloc's heaps go back to the system (0: never).",
-    )
-    engine_faults: EngineFaults | None = setting(
-        None,
-        group="engine",
-        help="Drills only: fail a fraction of transfer-engine calls with Mooncake's own codes, "
-        "e.g. 'register=0.01,transfer=0.02,deregister=0.001,seed=7' (or one rate for all). "
-        "Off by default; never in production.",
     )
     service: ServiceSettings = Field(default_factory=ServiceSettings)
     engine: MooncakeSettings = Field(default_factory=MooncakeSettings)

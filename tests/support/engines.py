@@ -10,7 +10,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import pytest
 import trio
 
 from trio_encode.engine import EngineError
@@ -21,24 +20,19 @@ DEAD_SESSION = "127.0.0.1:1"
 
 
 @dataclass(frozen=True)
-class Fleet:
+class RankEngines:
     """One engine for the server and one for each of the ``TP`` prefill ranks."""
 
     server: MooncakeEngine
     ranks: tuple[MooncakeEngine, ...]
 
 
-async def _create_fleet() -> Fleet:
+async def create_rank_engines() -> RankEngines:
+    """The engines of :class:`RankEngines` (the ``rank_engines`` fixture of ``conftest.py``)."""
     settings = MooncakeSettings()
     server = await MooncakeEngine.create(settings)
     ranks = [await MooncakeEngine.create(settings) for _ in range(TP)]
-    return Fleet(server, tuple(ranks))
-
-
-@pytest.fixture(scope="session", name="fleet")
-def fleet_fixture() -> Fleet:
-    """Created in a ``trio.run`` of its own, since trio fixtures cannot outlive one test."""
-    return trio.run(_create_fleet)
+    return RankEngines(server, tuple(ranks))
 
 
 class DelayedTransferEngine:

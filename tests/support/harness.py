@@ -16,7 +16,7 @@ from trio_encode.service import Encoder
 from trio_encode.settings import ServerSettings
 from trio_encode.testing.stand_in_encoder import StandInEncoder
 
-from .engines import Fleet
+from .engines import RankEngines
 
 P = "trio_encode_"
 
@@ -65,7 +65,9 @@ async def serving(
 
 
 @asynccontextmanager
-async def landing_pools(fleet: Fleet, nbytes: int) -> AsyncIterator[list[LandingPool]]:
+async def landing_pools(rank_engines: RankEngines, nbytes: int) -> AsyncIterator[list[LandingPool]]:
     """One registered pool of ``nbytes`` on each rank's engine."""
     async with AsyncExitStack() as stack:
-        yield [await stack.enter_async_context(LandingPool.open(e, nbytes)) for e in fleet.ranks]
+        yield [
+            await stack.enter_async_context(LandingPool.open(e, nbytes)) for e in rank_engines.ranks
+        ]

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -179,10 +179,15 @@ async def open_server(
             running.stop()
 
 
-async def run_server(settings: ServerSettings) -> ShutdownReport:
+async def run_server(
+    settings: ServerSettings,
+    *,
+    wrap_engine: Callable[[TransferEngine], TransferEngine] | None = None,
+) -> ShutdownReport:
     """What ``trio-encode serve`` runs: a Mooncake engine, the server listening at once, the
     image encoder loading behind it (``/readyz`` is 503 until it is loaded), stopped gracefully
-    by SIGINT or SIGTERM."""
+    by SIGINT or SIGTERM. ``wrap_engine`` wraps the engine before anything uses it (a drill's
+    fault injector)."""
     from trio_encode.encoder import ImageEncoder, arena_for
     from trio_encode.engine.mooncake import MooncakeEngine
 
@@ -190,11 +195,8 @@ async def run_server(settings: ServerSettings) -> ShutdownReport:
         log.info("malloc arenas not limited (not glibc)")
     engine: TransferEngine = await MooncakeEngine.create(settings.engine)
     log.info("transfer engine ready at %s", engine.session_id)
-    if settings.engine_faults is not None:
-        from trio_encode.engine.faults import FaultyEngine
-
-        engine = FaultyEngine(engine, settings.engine_faults)
-        log.warning("injecting engine faults: %s", settings.engine_faults)
+    if wrap_engine is not None:
+        engine = wrap_engine(engine)
     metrics = Metrics()
     store = None
     if settings.encoder.store_master is not None:

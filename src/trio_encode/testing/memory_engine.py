@@ -39,8 +39,8 @@ from trio_encode.engine.base import (
     TRANSFER_FAILED,
     EngineError,
 )
-from trio_encode.engine.costs import CostModel
 from trio_encode.engine.threads import EngineThreads, ThreadSettings
+from trio_encode.testing.costs import CostModel
 
 CallKind = Literal["register", "deregister", "transfer"]
 CALL_KINDS: tuple[CallKind, ...] = ("register", "deregister", "transfer")

@@ -2,7 +2,7 @@
 
 Registration costs microseconds over TCP on loopback, so the measured rows cannot show what
 it costs where it matters. This run puts the real request lifecycle (scope registry, ledger,
-scopes, sends) on the in-memory engine with a cost model (:mod:`trio_encode.engine.costs`) and
+scopes, sends) on the in-memory engine with a cost model (:mod:`trio_encode.testing.costs`) and
 Trio's mock clock, and counts requests per second of *virtual* time for both paths:
 
 - **arena**: the embedding lies in an arena registered once before the clock starts; a
@@ -29,11 +29,11 @@ import trio.testing
 
 from trio_encode.arena import Arena
 from trio_encode.embedding import ArenaEmbedding, Embedding
-from trio_encode.engine.costs import CostModel
+from trio_encode.ledger import RegistrationLedger
 from trio_encode.observer import NullObserver, RegistrationCall
-from trio_encode.registrations import RegistrationLedger
-from trio_encode.registry import ScopeRegistry
 from trio_encode.request_types import EmbeddingMemory, Receiver
+from trio_encode.scopes import ScopeRegistry
+from trio_encode.testing.costs import CostModel
 from trio_encode.testing.memory_engine import InMemoryEngine, InMemoryFabric
 
 PATHS = ("arena", "per-request registration")

@@ -6,7 +6,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from trio_encode.bench.settings import ENCODER_TARGET
+from trio_encode.tools.bench.settings import ENCODER_TARGET
 
 
 def percentile(values: list[float], q: float) -> float:

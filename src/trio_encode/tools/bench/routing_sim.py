@@ -11,7 +11,7 @@ A request stream of single images, drawn from a catalogue with Zipf popularity, 
   caches, as Mooncake Store is when every encoder lends it a segment.
 
 A hit is a request served without a forward. In-flight de-duplication and failures are not
-modelled; the stream is sequential. Run ``python -m trio_encode.bench.routing_sim`` (or
+modelled; the stream is sequential. Run ``python -m trio_encode.tools.bench.routing_sim`` (or
 ``nox -s simulate``) to print the table and draw the plot (``matplotlib`` needed for the plot).
 """
 

@@ -41,9 +41,9 @@ from trio_encode.client import (
     metric_value,
 )
 from trio_encode.client.fleet import RouteBy
-from trio_encode.demo import demo_image
 from trio_encode.engine.mooncake import MooncakeEngine, MooncakeSettings
 from trio_encode.errors import RequestError
+from trio_encode.tools.demo import demo_image
 
 P = "trio_encode_"
 _SLOT_BYTES = 16 << 20  # room for one request's embedding per concurrent request and rank

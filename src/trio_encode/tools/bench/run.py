@@ -3,8 +3,8 @@ asyncio peer, in one run.
 
 The servers are the real one (hypercorn, quart-trio, request scopes, Mooncake over TCP) in
 this process. Everything that would be another machine in a deployment runs in a child
-process (:mod:`trio_encode.bench.load`): the receiver ranks, each with its own Mooncake engine
-and landing pool, and the HTTP clients. The peer (:mod:`trio_encode.bench.peer`) runs in a
+process (:mod:`trio_encode.tools.bench.load`): the receiver ranks, each with its own Mooncake engine
+and landing pool, and the HTTP clients. The peer (:mod:`trio_encode.tools.bench.peer`) runs in a
 process of its own.
 
 - Transfer rows, per embedding size and TP: *raw* is ``MooncakeEngine.transfer`` from the
@@ -35,9 +35,15 @@ import torch
 import trio
 
 from trio_encode.arena import Arena
-from trio_encode.bench.load import LoadConfig, LoadProcess, http_client, open_load
-from trio_encode.bench.peer import open_peer
-from trio_encode.bench.phases import (
+from trio_encode.client import EncodeClient, metric_value
+from trio_encode.encoder import EncoderSettings, ImageEncoder, load_backend
+from trio_encode.engine.mooncake import MooncakeEngine
+from trio_encode.server.metrics import Metrics
+from trio_encode.server.serve import RunningServer, open_server
+from trio_encode.settings import ServerSettings
+from trio_encode.tools.bench.load import LoadConfig, LoadProcess, http_client, open_load
+from trio_encode.tools.bench.peer import open_peer
+from trio_encode.tools.bench.phases import (
     BatchRecorder,
     Progress,
     ServedRound,
@@ -49,7 +55,7 @@ from trio_encode.bench.phases import (
     spread,
     window_for,
 )
-from trio_encode.bench.results import (
+from trio_encode.tools.bench.results import (
     BenchResult,
     EncoderRow,
     ProbeRow,
@@ -58,14 +64,8 @@ from trio_encode.bench.results import (
     percentile,
     size_text,
 )
-from trio_encode.bench.settings import BenchConfig
-from trio_encode.bench.synthetic import ROW_BYTES, SizedBackend, tokens_for
-from trio_encode.client import EncodeClient, metric_value
-from trio_encode.encoder import EncoderSettings, ImageEncoder, load_backend
-from trio_encode.engine.mooncake import MooncakeEngine
-from trio_encode.server.metrics import Metrics
-from trio_encode.server.serve import RunningServer, open_server
-from trio_encode.settings import ServerSettings
+from trio_encode.tools.bench.settings import BenchConfig
+from trio_encode.tools.bench.synthetic import ROW_BYTES, SizedBackend, tokens_for
 
 
 def _peak_rss() -> int:
@@ -358,7 +358,7 @@ async def run_bench(config: BenchConfig) -> BenchResult:
         seconds=time.perf_counter() - started,
     )
     if config.plots is not None:
-        from trio_encode.bench.plots import write_plots
+        from trio_encode.tools.bench.plots import write_plots
 
         for path in write_plots(result, config.plots):
             progress.say(f"wrote {path}")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from trio_encode.bench.results import BenchResult, TransferRow
+from trio_encode.tools.bench.results import BenchResult, TransferRow
 
 
 def write_plots(result: BenchResult, directory: Path) -> list[Path]:

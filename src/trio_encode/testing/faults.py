@@ -7,7 +7,8 @@ returns, *before* the wrapped engine is called. So an injected failure means wha
 means: a refused registration holds nothing, a failed transfer moved nothing the receiver may
 trust, and a failed deregistration leaves the region registered in the engine.
 
-It is off unless a server is started with ``--engine-faults``; never enable it in production.
+It is off unless ``trio-encode serve`` is started with ``--engine-faults`` (a drill option
+declared here, in ``DrillSettings``); never enable it in production.
 """
 
 from __future__ import annotations
@@ -17,7 +18,12 @@ import random
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Annotated, Any
 
+from pydantic import BeforeValidator, ConfigDict
+from pydantic.dataclasses import dataclass as settings_dataclass
+
+from trio_encode.declare import setting
 from trio_encode.engine.base import (
     INVALID_ADDRESS,
     TRANSFER_FAILED,
@@ -176,3 +182,31 @@ class FaultyEngine:
                 detail=_INJECTED,
             )
         await self.engine.transfer_segments(session_id, segments, remote_address)
+
+
+def _fault_plan(value: Any) -> Any:
+    """A plan written as text (a flag) -> :class:`FaultPlan`."""
+    return FaultPlan.parse(value) if isinstance(value, str) else value
+
+
+EngineFaults = Annotated[FaultPlan, BeforeValidator(_fault_plan)]
+
+
+@settings_dataclass(frozen=True, config=ConfigDict(extra="forbid"))
+class DrillSettings:
+    """What a drill adds to ``trio-encode serve``: engine faults, never in production."""
+
+    engine_faults: EngineFaults | None = setting(
+        None,
+        group="engine",
+        help="Drills only: fail a fraction of transfer-engine calls with Mooncake's own codes, "
+        "e.g. 'register=0.01,transfer=0.02,deregister=0.001,seed=7' (or one rate for all). "
+        "Off by default; never in production.",
+    )
+
+    def wrap(self, engine: TransferEngine) -> TransferEngine:
+        """``engine`` with the planned faults injected (itself when there are none)."""
+        if self.engine_faults is None:
+            return engine
+        log.warning("injecting engine faults: %s", self.engine_faults)
+        return FaultyEngine(engine, self.engine_faults)

@@ -323,7 +323,7 @@ class LoadProcess:
 async def open_load(config: LoadConfig) -> AsyncIterator[LoadProcess]:
     """Start the load process and wait until its ranks and images are ready."""
     process = await trio.lowlevel.open_process(
-        [sys.executable, "-m", "trio_encode.bench.load"],
+        [sys.executable, "-m", "trio_encode.tools.bench.load"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
     )

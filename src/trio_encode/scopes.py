@@ -18,8 +18,8 @@ import trio
 
 from trio_encode.engine import TransferEngine
 from trio_encode.errors import RequestReleased, ShuttingDown, UnknownRequest
+from trio_encode.ledger import RegistrationLedger
 from trio_encode.observer import LifecycleObserver, NullObserver
-from trio_encode.registrations import RegistrationLedger
 from trio_encode.request_types import EmbeddingShape, Encode, EndReason, Receiver, SendReport
 from trio_encode.scope import Failure, RequestScope
 

@@ -38,9 +38,9 @@ import trio
 
 from trio_encode.client import metric_value
 from trio_encode.encoder import EncoderSettings
-from trio_encode.soak.drill import Call, Rank, Workload, post
-from trio_encode.soak.receiver import ReceiverGone, ReceiverProcess, open_receiver
-from trio_encode.soak.server import ServerProcess, open_server_process
+from trio_encode.tools.soak.drill import Call, Rank, Workload, post
+from trio_encode.tools.soak.receiver import ReceiverGone, ReceiverProcess, open_receiver
+from trio_encode.tools.soak.server import ServerProcess, open_server_process
 
 P = "trio_encode_"
 ALLOWED = {"/encode": {200, 410, 503, 504}, "/send": {200, 410, 502, 503, 504}}
@@ -212,8 +212,6 @@ def server_environment(config: SoakConfig) -> dict[str, str]:
         "TRIO_ENCODE_SHUTDOWN_GRACE": "5",
         "TRIO_ENCODE_LOG_LEVEL": "INFO",
     }
-    if config.engine_faults:
-        env["TRIO_ENCODE_ENGINE_FAULTS"] = config.engine_faults
     known = {f.name for f in fields(EncoderSettings)}
     for name in _ENCODER_FLAGS:
         assert name in known, name
@@ -222,6 +220,11 @@ def server_environment(config: SoakConfig) -> dict[str, str]:
             env[f"TRIO_ENCODE_{name.upper()}"] = str(value)
     env.update(dict(config.server_env))
     return env
+
+
+def server_arguments(config: SoakConfig) -> list[str]:
+    """The drill options of the server's command line (``--engine-faults``)."""
+    return ["--engine-faults", config.engine_faults] if config.engine_faults else []
 
 
 RSS_WINDOW = 10.0
@@ -477,7 +480,9 @@ async def run_soak(config: SoakConfig) -> SoakResult:
     slots = config.concurrency + 8
     async with AsyncExitStack() as stack:
         server = await stack.enter_async_context(
-            open_server_process(env=server_environment(config), stop_timeout=30)
+            open_server_process(
+                server_arguments(config), env=server_environment(config), stop_timeout=30
+            )
         )
         soak = _Soak(config, workload, server)
         for r in range(config.tp):

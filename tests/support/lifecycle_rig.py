@@ -21,9 +21,9 @@ import trio.testing
 from trio_encode.embedding import Embedding
 from trio_encode.engine.threads import ThreadSettings
 from trio_encode.errors import EncodeFailed
-from trio_encode.registrations import RegistrationLedger
-from trio_encode.registry import ScopeRegistry
+from trio_encode.ledger import RegistrationLedger
 from trio_encode.request_types import EmbeddingMemory, Receiver
+from trio_encode.scopes import ScopeRegistry
 from trio_encode.testing.memory_engine import InMemoryEngine, InMemoryFabric
 
 

@@ -188,7 +188,7 @@ async def open_receiver(pool_bytes: int, name: str = "rank") -> AsyncIterator[Re
     """Start a receiver process with a registered pool of ``pool_bytes``; killed on exit."""
     env = {**os.environ, "MC_LOG_LEVEL": os.environ.get("MC_LOG_LEVEL", "ERROR")}
     process = await trio.lowlevel.open_process(
-        [sys.executable, "-m", "trio_encode.soak.receiver", str(pool_bytes)],
+        [sys.executable, "-m", "trio_encode.tools.soak.receiver", str(pool_bytes)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         env=env,

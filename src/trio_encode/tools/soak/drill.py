@@ -22,7 +22,7 @@ import httpx
 import trio
 
 from trio_encode.encoder import EncoderSettings, decode_image, load_backend
-from trio_encode.soak.receiver import ReceiverGone, ReceiverProcess
+from trio_encode.tools.soak.receiver import ReceiverGone, ReceiverProcess
 
 _ENGINE_CODE = re.compile(r"failed with code (-?\d+)")
 
@@ -44,7 +44,7 @@ class Workload:
         import torch
         import xxhash
 
-        from trio_encode.bench.load import natural_jpegs
+        from trio_encode.tools.bench.load import natural_jpegs
 
         backend = load_backend(settings)
         side = backend.preprocess.image_size

@@ -6,7 +6,7 @@ stack), one registration per ``req_id`` made by the first ``/send`` and shared b
 siblings, ``transfer_sync_write`` in a worker thread (``asyncio.to_thread``), an error for a
 negative return code, and deregistration after the last of ``receive_count`` receivers. Its
 ``/encode`` does not run a model: it fills an embedding of the requested size (only ``/send``
-is timed). It runs in a process of its own (``python -m trio_encode.bench.peer``) and prints
+is timed). It runs in a process of its own (``python -m trio_encode.tools.bench.peer``) and prints
 ``{"port": N}`` once it listens on 127.0.0.1.
 
 Needs the ``bench`` extra (``pip install 'trio-encode[bench]'``).
@@ -122,7 +122,7 @@ def _main() -> None:
 async def open_peer() -> AsyncIterator[str]:
     """Start the peer process; its base URL while the body runs, then stop it."""
     process = await trio.lowlevel.open_process(
-        [sys.executable, "-m", "trio_encode.bench.peer"], stdout=subprocess.PIPE
+        [sys.executable, "-m", "trio_encode.tools.bench.peer"], stdout=subprocess.PIPE
     )
     assert process.stdout is not None
     try:

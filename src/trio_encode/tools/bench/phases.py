@@ -20,13 +20,13 @@ import httpx
 import torch
 import trio
 
-from trio_encode.bench.load import LoadProcess
-from trio_encode.bench.synthetic import tiny_pngs
 from trio_encode.client import EncodeClient
 from trio_encode.client.http import answer_of
 from trio_encode.encoder import VisionBackend
 from trio_encode.engine import TransferEngine
 from trio_encode.server.metrics import Metrics
+from trio_encode.tools.bench.load import LoadProcess
+from trio_encode.tools.bench.synthetic import tiny_pngs
 
 WINDOW_BYTES = 256 << 20
 """Embeddings encoded ahead of their timed sends, at most: bounds the memory a phase holds."""

@@ -1,0 +1,115 @@
+"""The package's layers as a rule: a module imports only its own unit and units below it.
+
+The product (HTTP -> service -> scopes -> ledger / encoder -> engine) never imports the tools
+wing (demo, fleet demo, bench, soak) or the test doubles; those sit above it, and only the
+command line sits above them. A new arrow that points up fails here, naming the import.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import trio_encode
+
+PACKAGE = Path(trio_encode.__file__).parent
+
+LAYERS: tuple[frozenset[str], ...] = tuple(
+    frozenset(units.split())
+    for units in (
+        "__main__",  # `python -m trio_encode`
+        "cli",  # the command line: every command, so it may reach everything
+        "tools",  # demo, fleet demo, bench, soak
+        "testing",  # test doubles and drivers: the in-memory engine, fault injection, costs
+        "server logs",  # HTTP: the app, its errors and metrics, hypercorn, log set-up
+        "settings",  # every setting of `serve`, gathered from the layers that obey them
+        "service",  # the service nursery: scopes, pulls, the encoder and the engine together
+        "scopes",  # the live scopes, by req_id
+        "scope arrivals",  # one request's life; pulls waiting for their /encode
+        "ledger",  # at most one live registration for any byte
+        "client",  # the prefill side's client (beside the server, never importing it)
+        "encoder",  # images -> embeddings, the cache, the store
+        "embedding",
+        "arena",
+        "errors",
+        "engine",  # the transfer engine interface and Mooncake
+        "request_types observer declare sizes __version__",
+    )
+)
+"""Highest first. A unit is a top-level module or subpackage of ``trio_encode``."""
+
+RANK = {unit: rank for rank, units in enumerate(LAYERS) for unit in units}
+
+
+def unit_of(module: str) -> str:
+    """``trio_encode.encoder.front`` -> ``encoder``; ``trio_encode`` itself -> ``__version__``
+    (all the package's ``__init__`` holds)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__version__"
+
+
+def imports(path: Path) -> Iterator[tuple[int, str]]:
+    """(line, module) for every ``trio_encode`` import in the file, nested ones included."""
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module == "trio_encode":
+                for alias in node.names:
+                    yield node.lineno, f"trio_encode.{alias.name}"
+            elif node.module.startswith("trio_encode."):
+                yield node.lineno, node.module
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("trio_encode."):
+                    yield node.lineno, alias.name
+
+
+def violations(module: str, imported: str) -> str | None:
+    """Why ``module`` may not import ``imported`` (``None`` when it may)."""
+    source, target = unit_of(module), unit_of(imported)
+    if source == target:
+        return None
+    for unit in (source, target):
+        if unit not in RANK:
+            return f"{unit!r} is in no layer: add it to LAYERS"
+    if RANK[target] <= RANK[source]:
+        return f"{source} (layer {RANK[source]}) may not import {target} (layer {RANK[target]})"
+    return None
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_every_import_points_down() -> None:
+    found = [
+        f"{path.relative_to(PACKAGE.parent)}:{line}: {reason}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for line, imported in imports(path)
+        if (reason := violations(module_name(path), imported)) is not None
+    ]
+    assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize(
+    ("module", "imported"),
+    [
+        ("trio_encode.server.app", "trio_encode.tools.demo"),
+        ("trio_encode.settings", "trio_encode.testing.faults"),
+        ("trio_encode.engine.mooncake", "trio_encode.scope"),
+        ("trio_encode.client.fleet", "trio_encode.server.app"),
+        ("trio_encode.encoder.front", "trio_encode.somewhere_new"),
+    ],
+)
+def test_an_arrow_that_points_up_is_refused(module: str, imported: str) -> None:
+    assert violations(module, imported) is not None
+
+
+def test_the_rule_reads_nested_imports(tmp_path: Path) -> None:
+    """A lazy import inside a function is an arrow too."""
+    source = tmp_path / "lazy.py"
+    source.write_text("def f():\n    from trio_encode.tools.bench import run\n")
+    assert list(imports(source)) == [(2, "trio_encode.tools.bench")]
