@@ -10,15 +10,18 @@ from __future__ import annotations
 import os
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
 import trio
 
+import trio_encode.server.serve
 from support.engines import RankEngines, create_rank_engines
 from trio_encode.engine import TransferEngine
 from trio_encode.engine.mooncake import MooncakeEngine, MooncakeSettings
-from trio_encode.settings import ENV_PREFIX
+from trio_encode.service import ShutdownReport
+from trio_encode.settings import ENV_PREFIX, ServerSettings
 from trio_encode.testing.memory_engine import InMemoryFabric
 
 # A session id nobody listens on: port 1 on loopback is never a Mooncake engine.
@@ -190,3 +193,24 @@ def rank_engines() -> RankEngines:
     """Mooncake engines for a server and ``TP`` ranks, made once per session in a ``trio.run``
     of their own (trio fixtures cannot outlive one test)."""
     return trio.run(create_rank_engines)
+
+
+@pytest.fixture
+def wrappers() -> list[Any]:
+    """The engine wrappers the ``captured`` fake server was given, in order."""
+    return []
+
+
+@pytest.fixture
+def captured(monkeypatch: pytest.MonkeyPatch, wrappers: list[Any]) -> list[ServerSettings]:
+    """Replaces the server with one that records its settings (and its engine wrapper, in
+    ``wrappers``) and stops at once."""
+    seen: list[ServerSettings] = []
+
+    async def fake_run_server(settings: ServerSettings, *, wrap_engine: Any) -> ShutdownReport:
+        seen.append(settings)
+        wrappers.append(wrap_engine)
+        return ShutdownReport(finished=0, cut_short=0)
+
+    monkeypatch.setattr(trio_encode.server.serve, "run_server", fake_run_server)
+    return seen

@@ -16,10 +16,8 @@ import httpx
 import pytest
 from click.testing import CliRunner
 
-import trio_encode.server.serve
 from trio_encode.cli import cli
 from trio_encode.encoder import EncoderSettings
-from trio_encode.service import ShutdownReport
 from trio_encode.settings import ServerSettings
 from trio_encode.testing.faults import FaultPlan, FaultyEngine
 
@@ -86,26 +84,6 @@ def test_serve_help_names_every_setting_and_its_variable() -> None:
     for flag, variable in SETTINGS.items():
         assert flag in result.output
         assert variable in result.output
-
-
-@pytest.fixture
-def wrappers() -> list[Any]:
-    return []
-
-
-@pytest.fixture
-def captured(monkeypatch: pytest.MonkeyPatch, wrappers: list[Any]) -> list[ServerSettings]:
-    """Replaces the server with one that records its settings (and its engine wrapper, in
-    ``wrappers``) and stops at once."""
-    seen: list[ServerSettings] = []
-
-    async def fake_run_server(settings: ServerSettings, *, wrap_engine: Any) -> ShutdownReport:
-        seen.append(settings)
-        wrappers.append(wrap_engine)
-        return ShutdownReport(finished=0, cut_short=0)
-
-    monkeypatch.setattr(trio_encode.server.serve, "run_server", fake_run_server)
-    return seen
 
 
 def test_the_flag_wins_over_the_variable_and_the_variable_over_the_default(

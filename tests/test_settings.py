@@ -15,22 +15,8 @@ import trio_encode
 import trio_encode.server.serve
 from trio_encode.cli import cli
 from trio_encode.encoder import EncoderSettings
-from trio_encode.service import ShutdownReport
 from trio_encode.settings import ServerSettings, catalog
 from trio_encode.sizes import GiB, KiB, MiB, format_size, parse_size
-
-
-@pytest.fixture
-def captured(monkeypatch: pytest.MonkeyPatch) -> list[ServerSettings]:
-    """Replaces the server with one that records its settings and stops at once."""
-    seen: list[ServerSettings] = []
-
-    async def fake_run_server(settings: ServerSettings) -> ShutdownReport:
-        seen.append(settings)
-        return ShutdownReport(finished=0, cut_short=0)
-
-    monkeypatch.setattr(trio_encode.server.serve, "run_server", fake_run_server)
-    return seen
 
 
 def _serve(*args: str, env: dict[str, str] | None = None) -> tuple[int, str]:
