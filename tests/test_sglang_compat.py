@@ -176,6 +176,7 @@ async def test_one_part_one_image_pulls_after_encode(rank_engines: RankEngines) 
         )
         assert [r.status_code for r in encodes] == [200]
         assert encodes[0].json()["receive_count"] is None  # SGLang's /encode names none
+        assert encodes[0].json()["grid_dim"] is None  # the stand-in has a fixed grid
         for rank in ranks:
             assert rank.error is None
             assert rank.landed == [expected_bytes([image])]

@@ -8,13 +8,14 @@ lie (no registration, no concatenation).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
 import xxhash
 
 from trio_encode.arena import Segment
+from trio_encode.request_types import Grid, check_grids
 
 DTYPE_NAMES: dict[torch.dtype, str] = {  # the one table of embedding dtypes and their names
     torch.float32: "float32",
@@ -34,8 +35,11 @@ class Embedding:
     """
 
     tensor: torch.Tensor
+    grids: tuple[Grid | None, ...] = field(default=())
+    """Per image, the grid its model used (None for a fixed-grid model); empty: not reported."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "grids", check_grids(self.grids))
         if self.tensor.dim() != 2:
             raise ValueError(f"an embedding is (rows, dim), got shape {tuple(self.tensor.shape)}")
         if not self.tensor.is_contiguous():
@@ -77,7 +81,7 @@ class Embedding:
 
     def copy(self) -> Embedding:
         """A private copy in fresh memory (used when the original's memory cannot be shared)."""
-        return Embedding(self.tensor.clone(memory_format=torch.contiguous_format))
+        return Embedding(self.tensor.clone(memory_format=torch.contiguous_format), self.grids)
 
     def release(self) -> None:
         """Nothing to give back: dropping the last reference frees the tensor."""
@@ -91,7 +95,9 @@ class ArenaEmbedding:
     segments' bytes, for callers that want tensors.
     """
 
-    def __init__(self, parts: Sequence[tuple[Segment, torch.Tensor]]) -> None:
+    def __init__(
+        self, parts: Sequence[tuple[Segment, torch.Tensor]], grids: Sequence[Grid | None] = ()
+    ) -> None:
         if not parts:
             raise ValueError("an embedding needs at least one segment")
         first = parts[0][1]
@@ -99,6 +105,8 @@ class ArenaEmbedding:
             raise ValueError("every segment must hold (rows, dim) of the same dim")
         self._segments = [segment for segment, _ in parts]
         self.views = [row for _, row in parts]
+        self.grids = check_grids(grids)
+        """Per image, the grid its model used (None for a fixed-grid model)."""
         self._released = False
 
     @property
@@ -142,7 +150,7 @@ class ArenaEmbedding:
 
     def copy(self) -> Embedding:
         """The same bytes in one fresh tensor, outside the arena."""
-        return Embedding(self.tensor)
+        return Embedding(self.tensor, self.grids)
 
     def release(self) -> None:
         """Give the segments' leases back to the arena, once."""

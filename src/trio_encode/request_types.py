@@ -19,6 +19,27 @@ leave no tombstone, so the client may retry the same ``req_id``; ``failed`` is a
 error inside the scope (a bug), answered 500."""
 
 
+Grid = tuple[int, ...]
+"""The patch grid a vision model used for one image, e.g. ``(t, h, w)`` for Qwen-VL models,
+whose prefill counts an image's tokens from it (``t * h * w // merge_size**2``)."""
+
+
+def grid_dim(grids: Sequence[Grid | None]) -> list[list[int]] | None:
+    """The grids as SGLang carries them (``grid_dim``): one list per image, or None when the
+    model has no per-image grid (fixed-grid towers such as CLIP, SigLIP, the built-in ViT)."""
+    if not grids or all(grid is None for grid in grids):
+        return None
+    return [list(grid) for grid in grids if grid is not None]
+
+
+def check_grids(grids: Sequence[Grid | None]) -> tuple[Grid | None, ...]:
+    """``grids`` as a tuple; every image has a grid or none has (one model made them)."""
+    present = sum(grid is not None for grid in grids)
+    if 0 < present < len(grids):
+        raise ValueError("either every image has a grid or none has")
+    return tuple(grids)
+
+
 class EmbeddingMemory(Protocol):
     """What a scope needs to know about an embedding: where its bytes lie, and its shape."""
 
@@ -40,6 +61,12 @@ class EmbeddingMemory(Protocol):
     @property
     def checksum(self) -> str:
         """``algorithm:hex`` of the bytes; computed once, may be slow the first time."""
+        ...
+
+    @property
+    def grids(self) -> Sequence[Grid | None]:
+        """Per image, in order, the grid its model used (None: a fixed grid); empty when
+        the encoder reported none."""
         ...
 
     @property
@@ -72,6 +99,8 @@ class EmbeddingShape:
     checksum: str
     """``algorithm:hex`` digest of the bytes every receiver gets, so a receiver can prove
     that what landed is what was encoded."""
+    grids: tuple[Grid | None, ...] = ()
+    """Per image, the grid the model used (see :attr:`EmbeddingMemory.grids`)."""
 
 
 @dataclass(frozen=True)

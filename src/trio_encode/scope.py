@@ -283,7 +283,12 @@ class RequestScope:
         try:
             embedding = await self._encode()
             shape = EmbeddingShape(
-                embedding.rows, embedding.dim, embedding.nbytes, embedding.dtype, embedding.checksum
+                embedding.rows,
+                embedding.dim,
+                embedding.nbytes,
+                embedding.dtype,
+                embedding.checksum,
+                tuple(embedding.grids),
             )
         except RequestError as exc:
             self._failure = Failure.of(exc)

@@ -39,6 +39,7 @@ from trio_encode.encoder.observer import EncoderObserver, NullEncoderObserver
 from trio_encode.encoder.settings import EncoderSettings
 from trio_encode.encoder.store import EmbeddingStore, store_key
 from trio_encode.errors import InvalidInput, NotReady, Overloaded, RequestError, ShuttingDown
+from trio_encode.request_types import Grid
 
 
 @dataclass(frozen=True)
@@ -279,21 +280,28 @@ class ImageEncoder:
             if missing:
                 await self._encode_missing(items, keys, results, missing, segments)
             rows = [result for result in results if result is not None]
+            grids = self.image_grids(keys)
             if self._arena is not None and all(segment is not None for segment in segments):
                 parts = [(seg, row) for seg, row in zip(segments, rows, strict=True) if seg]
                 embedding: Embedding | ArenaEmbedding = await self.batcher.run_decode(
-                    partial(_checksummed, ArenaEmbedding(parts))
+                    partial(_checksummed, ArenaEmbedding(parts, grids))
                 )
                 handed_over = True  # its leases are the embedding's now
                 return embedding
             if self._arena is not None:
                 self._arena.fallbacks += 1
-            return await self.batcher.run_decode(partial(_assemble, rows))
+            return await self.batcher.run_decode(partial(_assemble, rows, grids))
         finally:
             if not handed_over:
                 for segment in segments:
                     if segment is not None:
                         segment.arena.release(segment)
+
+    def image_grids(self, keys: Sequence[CacheKey]) -> list[Grid | None]:
+        """Per image, the grid the model used for it, reported with the embedding (SGLang's
+        ``grid_dim``). Every backend here has a fixed grid (the built-in ViT, CLIP/SigLIP
+        towers): None for each image. A backend with a per-image grid reports it here."""
+        return [None] * len(keys)
 
     async def _keep_store_hits(
         self,
@@ -467,14 +475,14 @@ def _checksummed(embedding: ArenaEmbedding) -> ArenaEmbedding:
     return embedding
 
 
-def _assemble(rows: list[torch.Tensor]) -> Embedding:
+def _assemble(rows: list[torch.Tensor], grids: Sequence[Grid | None]) -> Embedding:
     """In a worker thread: the request's rows as one embedding, its checksum computed (it
     reads every byte, so not on the event loop)."""
     if len(rows) == 1:
-        embedding = Embedding(rows[0])
+        embedding = Embedding(rows[0], tuple(grids))
     else:
         with torch.inference_mode():
-            embedding = Embedding(torch.cat(rows, dim=0))
+            embedding = Embedding(torch.cat(rows, dim=0), tuple(grids))
     embedding.checksum  # noqa: B018 - computed here, remembered by the embedding
     return embedding
 

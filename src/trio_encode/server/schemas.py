@@ -26,7 +26,7 @@ from pydantic import (
 )
 
 from trio_encode.errors import InvalidInput
-from trio_encode.request_types import EmbeddingShape, SendReport
+from trio_encode.request_types import EmbeddingShape, SendReport, grid_dim
 from trio_encode.service import EncodeReport
 
 _SESSION_ID = re.compile(r"^(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):([0-9]{1,5})$")
@@ -151,6 +151,7 @@ def _shape_fields(shape: EmbeddingShape) -> dict[str, Any]:
         "embedding_size": shape.nbytes,
         "dtype": shape.dtype,
         "checksum": shape.checksum,
+        "grid_dim": grid_dim(shape.grids),
     }
 
 

@@ -79,7 +79,7 @@ class StandInEncoder:
             await trio.sleep(self.slow_seconds)
         if any(image.startswith(b"FAIL") for image in images):
             raise RuntimeError("stand-in encoder told to fail")
-        return Embedding(expected_embedding(images))
+        return Embedding(expected_embedding(images), (None,) * len(images))
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         self._ready = True
