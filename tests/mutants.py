@@ -205,6 +205,12 @@ MUTANTS: dict[str, Mutant] = {
         "        if True:",
         (FAULTS + "test_a_served_receiver_that_retries_after_completion_gets_its_answer_again",),
     ),
+    "a store put reads a segment it does not hold": Mutant(
+        "encoder/batcher.py",
+        "            segment.arena.lease(segment)\n            done = partial(",
+        "            done = None and partial(",
+        ("tests/test_encoder_store.py::test_a_pending_store_put_keeps_its_segment_from_reuse",),
+    ),
 }
 
 

@@ -6,13 +6,19 @@ from __future__ import annotations
 import ctypes
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
 import torch
 import trio
 
-from trio_encode.encoder import CacheKey
+from test_encoder_batcher import SETTINGS, image, inline, serving
+from test_encoder_store_level import Fingerprinted
+from trio_encode.arena import Arena
+from trio_encode.embedding import ArenaEmbedding
+from trio_encode.encoder import CacheKey, ImageEncoder
+from trio_encode.encoder.cache import content_key
 from trio_encode.encoder.model import BuiltinBackend
 from trio_encode.encoder.settings import EncoderSettings
 from trio_encode.encoder.store import MooncakeEmbeddingStore, store_key
@@ -212,3 +218,133 @@ async def test_a_store_client_that_raises_leaves_the_encoder_without_a_store() -
     assert not store.connected
     assert await store.get(["k"], [torch.zeros(4)]) == [False]
     assert events.lookups == [("unavailable", 1)]
+
+
+async def test_a_restarted_store_gets_its_threads_back() -> None:
+    """Stopping the store takes every thread token to close the client safely; it must give
+    them back, or a store run again (a restarted encoder) times out on every lookup."""
+    events = Events()
+    store = _store(events, wait=2.0)
+    client = FakeStoreClient()
+    client.release.set()  # reads answer at once
+    store._store_class = lambda: client
+    for _ in range(2):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(store.run)
+            await _until(lambda: store.connected)
+            assert await store.get(["k"], [torch.zeros(4)]) == [True]
+            nursery.cancel_scope.cancel()
+    assert events.lookups == [("hit", 1), ("hit", 1)]
+
+
+class ReadingClient(FakeStoreClient):
+    """A store whose puts read their source only when released, as Mooncake's do when the
+    master is slow: what it keeps is whatever the bytes are by then."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stored: dict[str, bytes] = {}
+        self.putting = threading.Event()
+
+    def get_into(self, key: str, address: int, nbytes: int) -> int:
+        return -704  # a miss, at once
+
+    def put_from(self, key: str, address: int, nbytes: int) -> int:
+        self.putting.set()
+        self.release.wait(10)
+        self.stored[key] = ctypes.string_at(address, nbytes)
+        return 0
+
+
+async def _until(condition: Callable[[], bool], seconds: float = 5.0) -> None:
+    """Poll for ``condition`` (set by a worker thread or a thread's callback)."""
+    with trio.fail_after(seconds):
+        while True:
+            if condition():
+                return
+            await trio.sleep(0.01)
+
+
+async def _serving_with_store(
+    client: FakeStoreClient, events: Events
+) -> tuple[ImageEncoder, Arena, MooncakeEmbeddingStore]:
+    arena = Arena(4096, cache_bytes=4096)  # room for exactly one image's segment
+    store = _store(events)
+    store._store_class = lambda: client
+    encoder = ImageEncoder(
+        Fingerprinted(),
+        replace(SETTINGS, cache_bytes=4096),
+        run_decode=inline,
+        run_forward=inline,
+        store=store,
+        arena=arena,
+    )
+    return encoder, arena, store
+
+
+async def test_a_pending_store_put_keeps_its_segment_from_reuse() -> None:
+    """Image X's row is offered to the store; the put waits (a slow master). X's request ends,
+    and image Y needs a segment in a full arena. Y must not get X's segment while the put
+    may still read it: else the store keeps Y's bytes under X's key, for the whole fleet."""
+    events = Events()
+    client = ReadingClient()
+    encoder, arena, store = await _serving_with_store(client, events)
+    async with serving(encoder):
+        await _until(lambda: store.connected)
+        x = await encoder.encode([image(10)])
+        assert isinstance(x, ArenaEmbedding)
+        x_bytes = x.tensor.numpy().tobytes()
+        assert await trio.to_thread.run_sync(client.putting.wait, 5)
+        x.release()  # X's request is over; its put is not
+        y = await encoder.encode([image(20)])  # the arena holds only X's segment
+        assert y.tensor[0, 0] == 20
+        client.release.set()  # the put reads now
+        await _until(lambda: arena.leased_bytes == int(isinstance(y, ArenaEmbedding)) * 4096)
+        key = store_key("fake-model", content_key("fake", image(10)))
+        assert client.stored[key] == x_bytes, "the store holds another image under X's key"
+        y.release()
+    assert events.puts == ["stored", "stored"]
+    assert arena.leased_bytes == 0
+
+
+async def test_an_abandoned_store_put_keeps_its_lease_until_it_returns(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A put given up on at its bound still runs in its thread, reading the segment: its lease
+    goes back when that thread returns, not at the timeout."""
+    import trio_encode.encoder.store as store_module
+
+    monkeypatch.setattr(store_module, "_PUT_SECONDS", 0.05)
+    events = Events()
+    client = ReadingClient()
+    encoder, arena, store = await _serving_with_store(client, events)
+    async with serving(encoder):
+        await _until(lambda: store.connected)
+        x = await encoder.encode([image(10)])
+        x.release()
+        await _until(lambda: events.puts == ["timeout"])
+        await trio.sleep(0.05)
+        assert arena.leased_bytes == 4096, "the abandoned put still reads its segment"
+        client.release.set()
+        await _until(lambda: arena.leased_bytes == 0)
+
+
+async def test_a_put_given_up_before_its_thread_began_gives_back_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import trio_encode.encoder.store as store_module
+
+    monkeypatch.setattr(store_module, "_PUT_SECONDS", 0.05)
+    events = Events()
+    store = _store(events)
+    client = HungClient()
+    store._client = client
+    for n in range(4):  # hung reads take every thread
+        await store.get([f"k{n}"], [torch.zeros(4)])
+    given_back: list[str] = []
+    await store._put_now("p", torch.zeros(4), lambda: given_back.append("p"))
+    assert given_back == ["p"]
+    assert events.puts == ["timeout"]
+    client.release.set()
+    await trio.sleep(0.1)
+    assert given_back == ["p"]  # once, and the write never ran

@@ -3,7 +3,7 @@ looked up, when the forward runs, and what is offered back."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import trio
@@ -38,9 +38,11 @@ class DictStore:
             found.append(key in self.entries)
         return found
 
-    def put(self, key: str, tensor: torch.Tensor) -> None:
+    def put(self, key: str, tensor: torch.Tensor, done: Callable[[], None] | None = None) -> None:
         self.puts.append(key)
         self.entries[key] = tensor.clone()
+        if done is not None:
+            done()
 
 
 class Fingerprinted(FakeBackend):

@@ -311,7 +311,7 @@ class Batcher:
             if self._cache is not None:
                 self._cache.put(job.key, row)
             if self._store is not None:
-                self._store.put(store_key(self.backend.fingerprint, job.key), row)
+                self._offer(job.key, row, segment)
             if segment is not None:
                 segment.arena.keep(segment, job.key)
             job.deliver(row, segment)
@@ -320,6 +320,18 @@ class Batcher:
             self.observer.cache_size(self._cache.nbytes, len(self._cache))
         elif self._arena is not None:
             self.observer.cache_size(self._arena.cached_bytes, len(self._arena))
+
+    def _offer(self, key: CacheKey, row: torch.Tensor, segment: Segment | None) -> None:
+        """Offer a row to the store. The put reads it later, in the background: a row in the
+        arena is a view of its segment, so the put holds a lease on the segment until it no
+        longer reads it (an abandoned put too). Without it the segment could be evicted and
+        refilled meanwhile, and the store would keep another image's bytes under this key."""
+        assert self._store is not None
+        done = None
+        if segment is not None:
+            segment.arena.lease(segment)
+            done = partial(segment.arena.release, segment)
+        self._store.put(store_key(self.backend.fingerprint, key), row, done)
 
     def _allocate_segments(self, batch: list[Job]) -> list[Segment | None]:
         """A segment for each image of a batch, leased by the forward until it delivers: the

@@ -15,7 +15,10 @@ The store must never fail or slow a request:
   interrupted, so a lookup that runs late is abandoned, not awaited: its thread holds its own
   reference to the memory it writes, and that memory is never used for anything else;
 - puts run in the background, off the request's path, from a bounded queue (when it is full,
-  the put is dropped);
+  the put is dropped). A put reads its tensor when it runs, long after the forward that wrote
+  it, and an abandoned put may read it later still: the caller says what to give back once the
+  put no longer reads it (``done``: the batcher's lease on an arena segment), and the store
+  calls it only when the put has finished, failed, or was dropped, never at a timeout;
 - the connection to the master is made in the background too; until it is up, lookups report
   ``unavailable`` at once;
 - every outcome is counted (:class:`StoreObserver`), so a store that misbehaves shows in the
@@ -28,10 +31,12 @@ what a registered arena provides).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import math
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, Protocol
 
 import torch
@@ -56,6 +61,10 @@ _WARN_SECONDS = 10.0  # a failing store logs at most one line per period; metric
 def store_key(fingerprint: str, key: CacheKey) -> str:
     """The store's key for an image's embedding under the model ``fingerprint``."""
     return f"trio-encode/{fingerprint}/{key.sha256}"
+
+
+Done = Callable[[], None]
+"""What a put calls once it no longer reads its tensor (on the event loop, exactly once)."""
 
 
 class StoreObserver(Protocol):
@@ -97,8 +106,13 @@ class EmbeddingStore(Protocol):
         """
         ...
 
-    def put(self, key: str, tensor: torch.Tensor) -> None:
-        """Offer an embedding, to be stored in the background; returns at once."""
+    def put(self, key: str, tensor: torch.Tensor, done: Done | None = None) -> None:
+        """Offer an embedding, to be stored in the background; returns at once.
+
+        ``tensor``'s bytes are read later. ``done`` (if given) is called on the event loop,
+        exactly once, when the store no longer reads them: the put finished, failed, or was
+        dropped. An abandoned put keeps reading, and ``done`` waits for it.
+        """
         ...
 
 
@@ -145,9 +159,9 @@ class MooncakeEmbeddingStore:
         self._warned_at = -math.inf
         self._unlogged = 0
         self._limiter = trio.CapacityLimiter(_THREADS)
-        self._puts_in, self._puts_out = trio.open_memory_channel[tuple[str, torch.Tensor]](
-            _PUT_QUEUE
-        )
+        self._puts_in, self._puts_out = trio.open_memory_channel[
+            tuple[str, torch.Tensor, Done | None]
+        ](_PUT_QUEUE)
 
     @classmethod
     def from_settings(
@@ -184,23 +198,47 @@ class MooncakeEmbeddingStore:
                 if self._client is None:
                     await trio.sleep(_RETRY_SECONDS)
             self.observer.store_connected(True)
-            async for key, tensor in self._puts_out:
-                await self._put_now(key, tensor)
+            async for key, tensor, done in self._puts_out:
+                await self._put_now(key, tensor, done)
         except Exception:
             # The store is an optimisation: its failure must not end the encoder it serves.
             log.exception("the store client failed; this encoder goes on without the store")
         finally:
             client, self._client = self._client, None
             self.observer.store_connected(False)
+            self._drop_queued_puts()
             if client is not None:
-                # Unmount this encoder's segment so the master stops placing objects in it,
-                # once no call (an abandoned one included) still uses the client: holding
-                # every thread token proves it. Bounded: a hung master must not hold up
-                # shutdown; then the client is left to the process's exit.
-                with trio.CancelScope(shield=True), trio.move_on_after(2.0):
-                    for _ in range(_THREADS):
-                        await self._limiter.acquire_on_behalf_of(object())
-                    await trio.to_thread.run_sync(client.close, abandon_on_cancel=True)
+                with trio.CancelScope(shield=True):
+                    await self._close(client)
+
+    async def _close(self, client: Any) -> None:
+        """Unmount this encoder's segment so the master stops placing objects in it, once no
+        call (an abandoned one included) still uses the client: holding every thread token
+        proves it. Bounded: a hung master must not hold up shutdown; then the client is left
+        to the process's exit. The tokens go back afterwards, so a store run again (a
+        restarted encoder) has its threads."""
+        holders: list[object] = []
+        try:
+            with trio.move_on_after(2.0):
+                for _ in range(_THREADS):
+                    holder = object()
+                    await self._limiter.acquire_on_behalf_of(holder)
+                    holders.append(holder)
+                await trio.to_thread.run_sync(client.close, abandon_on_cancel=True)
+        finally:
+            for holder in holders:
+                self._limiter.release_on_behalf_of(holder)
+
+    def _drop_queued_puts(self) -> None:
+        """Puts still queued when the store stops never run: they no longer read anything."""
+        while True:
+            try:
+                _, _, done = self._puts_out.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                return
+            self.observer.store_put("dropped")
+            if done is not None:
+                done()
 
     async def _connect(self) -> None:
         client = self._store_class()
@@ -279,23 +317,32 @@ class MooncakeEmbeddingStore:
         log.warning(message, *args)
         self._warned_at, self._unlogged = now, 0
 
-    def put(self, key: str, tensor: torch.Tensor) -> None:
-        if self._client is None:
-            self.observer.store_put("dropped")
-            return
-        try:
-            self._puts_in.send_nowait((key, tensor))
-        except trio.WouldBlock:
-            self.observer.store_put("dropped")
+    def put(self, key: str, tensor: torch.Tensor, done: Done | None = None) -> None:
+        if self._client is not None:
+            try:
+                self._puts_in.send_nowait((key, tensor, done))
+                return
+            except trio.WouldBlock:
+                pass
+        self.observer.store_put("dropped")
+        if done is not None:
+            done()
 
-    async def _put_now(self, key: str, tensor: torch.Tensor) -> None:
+    async def _put_now(self, key: str, tensor: torch.Tensor, done: Done | None) -> None:
         client = self._client
         assert client is not None
         nbytes = tensor.numel() * tensor.element_size()
+        claim = _PutClaim(trio.lowlevel.current_trio_token(), done)
 
-        def write() -> int:
-            # Holds ``tensor`` until the write returns, also when abandoned.
-            code: int = client.put_from(key, tensor.data_ptr(), nbytes)
+        def write() -> int | None:
+            # Holds ``tensor`` until the write returns, also when abandoned; only then is
+            # ``done`` called, back on the event loop, so what it gives back is not read again.
+            if not claim.start():
+                return None  # given up on before it started: it reads nothing
+            try:
+                code: int = client.put_from(key, tensor.data_ptr(), nbytes)
+            finally:
+                claim.finished()
             return code
 
         code: int | None = None
@@ -304,9 +351,59 @@ class MooncakeEmbeddingStore:
                 write, abandon_on_cancel=True, limiter=self._limiter
             )
         if code is None:
+            claim.give_up()  # gives back at once only if the write never started
             self.observer.store_put("timeout")
         elif code == 0:
             self.observer.store_put("stored")
         else:
             self._warn("store put of %s returned %d", key, code)
             self.observer.store_put("failed")
+
+
+class _PutClaim:
+    """Who calls a put's ``done``: the worker thread once its write returned, or the event
+    loop if the put was given up on before its thread began (waiting for a token, or started
+    but not yet running). A lock decides which, so it is called exactly once and never while
+    the write may still read."""
+
+    def __init__(self, token: trio.lowlevel.TrioToken, done: Done | None) -> None:
+        self._token = token
+        self._done = done
+        self._lock = threading.Lock()
+        self._state: Literal["waiting", "writing", "given_up"] = "waiting"
+
+    def start(self) -> bool:
+        """In the thread: may the write begin? False once the loop has given up on it."""
+        with self._lock:
+            if self._state == "given_up":
+                return False
+            self._state = "writing"
+            return True
+
+    def finished(self) -> None:
+        """In the thread, after the write returned: give back on the event loop."""
+        if self._done is not None:
+            _call_soon(self._token, self._done)
+
+    def give_up(self) -> None:
+        """On the event loop, after the bound passed: give back now unless a write began."""
+        with self._lock:
+            waiting = self._state == "waiting"
+            self._state = "given_up" if waiting else self._state
+        if waiting and self._done is not None:
+            self._done()
+
+
+def _call_soon(token: trio.lowlevel.TrioToken, done: Done) -> None:
+    """Run ``done`` on the event loop from a worker thread (a no-op once the loop has ended:
+    whatever it would give back goes with the process). An error in it is logged: raised in a
+    ``run_sync_soon`` callback it would end the whole run."""
+
+    def call() -> None:
+        try:
+            done()
+        except Exception:
+            log.exception("giving back what a store put read failed")
+
+    with contextlib.suppress(trio.RunFinishedError):
+        token.run_sync_soon(call)
