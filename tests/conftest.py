@@ -134,14 +134,9 @@ class TrackingEngine:
         self.live.discard(address)
 
     async def transfer(
-        self, session_id: str, local_address: int, remote_address: int, length: int
-    ) -> None:
-        await self.engine.transfer(session_id, local_address, remote_address, length)
-
-    async def transfer_segments(
         self, session_id: str, segments: Sequence[tuple[int, int]], remote_address: int
     ) -> None:
-        await self.engine.transfer_segments(session_id, segments, remote_address)
+        await self.engine.transfer(session_id, segments, remote_address)
 
     async def cleanup(self) -> None:
         for address in sorted(self.live):

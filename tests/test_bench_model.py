@@ -35,7 +35,9 @@ async def test_calls_take_the_modelled_time(autojump_clock: trio.testing.MockClo
     await sender.register(int(source.data_ptr()), source.numel())
     assert trio.current_time() - start == pytest.approx(2e-3)  # 1 ms + 1 MB x 1 ns
     start = trio.current_time()
-    await sender.transfer(receiver.session_id, int(source.data_ptr()), int(dest.data_ptr()), 10**6)
+    await sender.transfer(
+        receiver.session_id, [(int(source.data_ptr()), 10**6)], int(dest.data_ptr())
+    )
     assert trio.current_time() - start == pytest.approx(1e-3)
     assert bool(dest.all())
     start = trio.current_time()
@@ -62,9 +64,8 @@ async def test_transfers_from_one_engine_share_its_link(
             nursery.start_soon(
                 sender.transfer,
                 rank.session_id,
-                int(source.data_ptr()),
+                [(int(source.data_ptr()), 10**6)],
                 int(buffer.data_ptr()),
-                10**6,
             )
     assert trio.current_time() - start == pytest.approx(2e-3)
 

@@ -61,7 +61,9 @@ async def test_injected_failures_carry_mooncakes_codes_and_never_reach_the_engin
     assert not engine_pair.sender.live  # nothing was registered
 
     with pytest.raises(EngineError) as failed:
-        await always.transfer(engine_pair.receiver.session_id, addr(source), addr(landing), 4 * KIB)
+        await always.transfer(
+            engine_pair.receiver.session_id, [(addr(source), 4 * KIB)], addr(landing)
+        )
     assert (failed.value.call, failed.value.code) == ("transfer", TRANSFER_FAILED)
     assert failed.value.session_id == engine_pair.receiver.session_id
     assert not landing.any()  # nothing moved
@@ -93,7 +95,7 @@ async def test_the_fraction_is_seeded_and_calls_that_pass_do_their_work(
             landing.zero_()
             try:
                 await faulty.transfer(
-                    engine_pair.receiver.session_id, addr(source), addr(landing), 4 * KIB
+                    engine_pair.receiver.session_id, [(addr(source), 4 * KIB)], addr(landing)
                 )
             except EngineError as exc:
                 passed.append(False)

@@ -198,15 +198,17 @@ async def test_mooncake_stalls_every_transfer_while_a_frozen_peer_is_first_conta
         source = torch.ones(4096, dtype=torch.uint8)
         address = int(source.data_ptr())
         async with open_receiver(4096, "cold") as cold, open_receiver(4096, "known") as known:
-            await engine.transfer(known.session_id, address, known.address, 4096)
+            await engine.transfer(known.session_id, [(address, 4096)], known.address)
             cold.freeze()
             stalled = 0.0
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(engine.transfer, cold.session_id, address, cold.address, 4096)
+                nursery.start_soon(
+                    engine.transfer, cold.session_id, [(address, 4096)], cold.address
+                )
                 await trio.sleep(0.3)
                 started = time.monotonic()
                 nursery.start_soon(_thaw_after, cold, 2.0)
-                await engine.transfer(known.session_id, address, known.address, 4096)
+                await engine.transfer(known.session_id, [(address, 4096)], known.address)
                 stalled = time.monotonic() - started
             assert stalled > 1.0
 

@@ -318,16 +318,8 @@ class RequestScope:
                 return  # withdrawn before its transfer started: it never happened
             started = trio.current_time()
             receiver = attempt.receiver
-            if len(segments) == 1:
-                ((address, nbytes),) = segments
-                await self._engine.transfer(
-                    receiver.session_id, address, receiver.buffer_address, nbytes
-                )
-            else:
-                nbytes = sum(length for _, length in segments)
-                await self._engine.transfer_segments(
-                    receiver.session_id, segments, receiver.buffer_address
-                )
+            nbytes = sum(length for _, length in segments)
+            await self._engine.transfer(receiver.session_id, segments, receiver.buffer_address)
             attempt.succeeded = True
             self._bytes_sent += nbytes
             self._observer.transfer_finished(self.req_id, nbytes, trio.current_time() - started)

@@ -54,11 +54,6 @@ class DelayedTransferEngine:
         await self.engine.deregister(address)
 
     async def transfer(
-        self, session_id: str, local_address: int, remote_address: int, length: int
-    ) -> None:
-        await self.transfer_segments(session_id, [(local_address, length)], remote_address)
-
-    async def transfer_segments(
         self, session_id: str, segments: Sequence[tuple[int, int]], remote_address: int
     ) -> None:
         def slow_write() -> int:

@@ -26,7 +26,9 @@ class NaiveScope:
         await self._engine.register(embedding.address, embedding.nbytes)
         try:
             await self._engine.transfer(
-                receiver.session_id, embedding.address, receiver.buffer_address, embedding.nbytes
+                receiver.session_id,
+                [(embedding.address, embedding.nbytes)],
+                receiver.buffer_address,
             )
         finally:
             await self._engine.deregister(embedding.address)

@@ -116,13 +116,6 @@ class TransferEngine(Protocol):
         ...
 
     async def transfer(
-        self, session_id: str, local_address: int, remote_address: int, length: int
-    ) -> None:
-        """Write ``length`` bytes from local memory into ``session_id``'s memory; returns when
-        the bytes have landed."""
-        ...
-
-    async def transfer_segments(
         self, session_id: str, segments: Sequence[tuple[int, int]], remote_address: int
     ) -> None:
         """Write ``segments`` (local address, length) back to back into ``session_id``'s

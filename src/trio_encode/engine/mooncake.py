@@ -290,13 +290,6 @@ class MooncakeEngine:
             raise EngineError("deregister", int(code), address=address, session_id=self.session_id)
 
     async def transfer(
-        self, session_id: str, local_address: int, remote_address: int, length: int
-    ) -> None:
-        """Write ``length`` bytes into ``session_id``'s registered memory and wait until they
-        have landed."""
-        await self.transfer_segments(session_id, [(local_address, length)], remote_address)
-
-    async def transfer_segments(
         self, session_id: str, segments: Sequence[tuple[int, int]], remote_address: int
     ) -> None:
         """Write ``segments`` (local address, length), in order and back to back, into

@@ -374,21 +374,12 @@ class _RecordingEngine:
         await self.engine.deregister(address)
 
     async def transfer(
-        self, session_id: str, local_address: int, remote_address: int, length: int
-    ) -> None:
-        receiver = Receiver(session_id, remote_address)
-        if await self._maybe_fail("transfer"):
-            self.failed_transfers[receiver] += 1
-        await self.engine.transfer(session_id, local_address, remote_address, length)
-        self._log.append(("wrote", receiver))
-
-    async def transfer_segments(
         self, session_id: str, segments: Sequence[tuple[int, int]], remote_address: int
     ) -> None:
         receiver = Receiver(session_id, remote_address)
         if await self._maybe_fail("transfer"):
             self.failed_transfers[receiver] += 1
-        await self.engine.transfer_segments(session_id, segments, remote_address)
+        await self.engine.transfer(session_id, segments, remote_address)
         self._log.append(("wrote", receiver))
 
 

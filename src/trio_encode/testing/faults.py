@@ -154,21 +154,6 @@ class FaultyEngine:
         await self.engine.deregister(address)
 
     async def transfer(
-        self, session_id: str, local_address: int, remote_address: int, length: int
-    ) -> None:
-        if self._fails("transfer"):
-            raise EngineError(
-                "transfer",
-                INJECTED_CODES["transfer"],
-                address=local_address,
-                remote_address=remote_address,
-                length=length,
-                session_id=session_id,
-                detail=_INJECTED,
-            )
-        await self.engine.transfer(session_id, local_address, remote_address, length)
-
-    async def transfer_segments(
         self, session_id: str, segments: Sequence[tuple[int, int]], remote_address: int
     ) -> None:
         if self._fails("transfer"):
@@ -181,7 +166,7 @@ class FaultyEngine:
                 session_id=session_id,
                 detail=_INJECTED,
             )
-        await self.engine.transfer_segments(session_id, segments, remote_address)
+        await self.engine.transfer(session_id, segments, remote_address)
 
 
 def _fault_plan(value: Any) -> Any:

@@ -301,58 +301,74 @@ class InMemoryEngine:
         self._finish(call, code)
 
     async def transfer(
-        self, session_id: str, local_address: int, remote_address: int, length: int
+        self, session_id: str, segments: Sequence[tuple[int, int]], remote_address: int
     ) -> None:
-        """Copy ``length`` bytes from ``local_address`` into ``remote_address`` on engine
-        ``session_id`` at the end of the call, if both ranges are still registered then."""
+        """Copy each of ``segments`` (local address, length), back to back, into engine
+        ``session_id``'s memory from ``remote_address`` on: one recorded call per segment, in
+        order, each copying at its end if both its ranges are still registered then.
+
+        Waiting for a thread and a slot of ``session_id``'s bound is cancellable; once the
+        first segment has started the rest run too, whatever happens to the caller (Mooncake
+        has them all submitted); the first failure is raised after the last has ended."""
         await trio.lowlevel.checkpoint_if_cancelled()
+        failure: EngineError | None = None
         async with (
-            self._scripted("transfer") as failure,
+            self._scripted("transfer") as first,
             self.threads.session_slot(session_id),
             _thread(self.threads.transfers),
         ):
-            call, scripted = self._begin(
-                "transfer", session_id, local_address, length, remote_address, failure
-            )
-            flight: _InFlightTransfer | None = None
-            code = scripted
-            if code is None:
-                code, flight = self._check_transfer(
-                    call, session_id, local_address, remote_address, length
-                )
-            if flight is not None:
-                self._in_flight_transfers.append(flight)
-            try:
-                await self._run_shielded(call)
-                if flight is not None and not await self._peer_answers(session_id):
-                    code, flight = TRANSFER_FAILED, None
-            finally:
-                for held in self._in_flight_transfers:
-                    if held.call is call:
-                        self._in_flight_transfers.remove(held)
-                        break
-            if flight is not None:
-                code = self._complete_transfer(flight, local_address, remote_address, length)
-        self._finish(call, code)
-
-    async def transfer_segments(
-        self, session_id: str, segments: Sequence[tuple[int, int]], remote_address: int
-    ) -> None:
-        """One transfer call per segment, back to back in ``remote_address``. Once the first
-        has started the rest run too, whatever happens to the caller (Mooncake has them all
-        submitted); the first failure is raised after the last has ended."""
-        await trio.lowlevel.checkpoint_if_cancelled()
-        failure: EngineError | None = None
-        offset = 0
-        with trio.CancelScope(shield=True):
-            for address, length in segments:
-                try:
-                    await self.transfer(session_id, address, remote_address + offset, length)
-                except EngineError as exc:
-                    failure = failure or exc
-                offset += length
+            with trio.CancelScope(shield=True):
+                offset = 0
+                for index, (address, length) in enumerate(segments):
+                    try:
+                        if index == 0:
+                            await self._transfer_one(
+                                first, session_id, address, remote_address, length
+                            )
+                        else:
+                            async with self._scripted("transfer") as entry:
+                                await self._transfer_one(
+                                    entry, session_id, address, remote_address + offset, length
+                                )
+                    except EngineError as exc:
+                        failure = failure or exc
+                    offset += length
         if failure is not None:
             raise failure
+
+    async def _transfer_one(
+        self,
+        entry: _Entry,
+        session_id: str,
+        local_address: int,
+        remote_address: int,
+        length: int,
+    ) -> None:
+        """One segment's call: copy ``length`` bytes at its end if both ranges are still
+        registered then."""
+        call, scripted = self._begin(
+            "transfer", session_id, local_address, length, remote_address, entry
+        )
+        flight: _InFlightTransfer | None = None
+        code = scripted
+        if code is None:
+            code, flight = self._check_transfer(
+                call, session_id, local_address, remote_address, length
+            )
+        if flight is not None:
+            self._in_flight_transfers.append(flight)
+        try:
+            await self._run_shielded(call)
+            if flight is not None and not await self._peer_answers(session_id):
+                code, flight = TRANSFER_FAILED, None
+        finally:
+            for held in self._in_flight_transfers:
+                if held.call is call:
+                    self._in_flight_transfers.remove(held)
+                    break
+        if flight is not None:
+            code = self._complete_transfer(flight, local_address, remote_address, length)
+        self._finish(call, code)
 
     # -- scripting -----------------------------------------------------------------------------
 

@@ -62,7 +62,7 @@ async def raw_transfers(
 
     async def stream(session_id: str, address: int) -> None:
         for _ in range(count):
-            await engine.transfer(session_id, source, address, nbytes)
+            await engine.transfer(session_id, [(source, nbytes)], address)
 
     start = time.perf_counter()
     async with trio.open_nursery() as nursery:
