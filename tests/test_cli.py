@@ -3,6 +3,7 @@ stopped by SIGTERM, and the demo."""
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import signal
@@ -15,11 +16,14 @@ from typing import Any
 import httpx
 import pytest
 from click.testing import CliRunner
+from pydantic import ValidationError
 
 from trio_encode.cli import cli
 from trio_encode.encoder import EncoderSettings
-from trio_encode.settings import ServerSettings
+from trio_encode.settings import ServerSettings, serve_flags
 from trio_encode.testing.faults import FaultPlan, FaultyEngine
+from trio_encode.tools.fleet_demo import FleetDemoConfig
+from trio_encode.tools.soak.run import SoakConfig, server_arguments, server_environment
 
 SETTINGS = {
     "--host": "TRIO_ENCODE_HOST",
@@ -209,18 +213,59 @@ def test_engine_faults_are_off_unless_asked_for(
 
 
 @pytest.mark.parametrize(
-    ("args", "reason"),
+    ("command", "args", "reason"),
     [
-        (["--requests", "0"], "--requests"),
-        (["--soak-engine-faults", "transfer=2"], "not in [0, 1]"),
-        (["--vanish-rate", "0.5"], "--vanish-rate"),
+        ("soak", ["--requests", "0"], "--requests"),
+        ("soak", ["--soak-engine-faults", "transfer=2"], "not in [0, 1]"),
+        ("soak", ["--engine-faults", "transfer=2"], "not in [0, 1]"),
+        ("soak", ["--vanish-rate", "0.5"], "--vanish-rate"),
+        ("soak", ["--images", "1"], "--images"),
+        ("soak", ["--send-timeout", "0"], "--send-timeout: Input should be greater than 0"),
+        ("soak", ["--soak-send-timeout", "inf"], "--send-timeout: Input should be a finite"),
+        ("fleet", ["--encoders", "0"], "--encoders"),
+        ("fleet", ["--route-by", "rank"], "--route-by"),
+        ("serve", ["--send-timeout", "inf"], "--send-timeout"),
     ],
 )
-def test_soak_refuses_bad_options_before_starting_anything(args: list[str], reason: str) -> None:
-    result = CliRunner().invoke(cli, ["soak", *args])
-    assert result.exit_code == 2
+def test_tools_refuse_bad_options_before_starting_anything(
+    command: str, args: list[str], reason: str, captured: list[ServerSettings]
+) -> None:
+    result = CliRunner().invoke(cli, [command, *args])
+    assert result.exit_code == 2, result.output
     assert reason in result.output
     assert "Traceback" not in result.output
+    assert not captured
+
+
+def _served_with(flags: list[str], captured: list[ServerSettings]) -> ServerSettings:
+    result = CliRunner().invoke(cli, ["serve", *flags], env={"TRIO_ENCODE_DEPTH": "3"})
+    assert result.exit_code == 0, result.output
+    return captured.pop()
+
+
+def test_child_servers_get_exactly_the_settings_their_tool_declares(
+    captured: list[ServerSettings],
+) -> None:
+    """The soak's and the fleet's servers get their settings as flags made from the settings
+    they declare; no variable of this process leaks into them."""
+    tiny = EncoderSettings(depth=1, warmup=False, torch_threads=1, cache_bytes=1 << 20)
+    soak = SoakConfig(send_timeout=4.0, encoder=tiny)
+    assert _served_with(server_arguments(soak), captured) == soak.server()
+    assert "--engine-faults" in server_arguments(soak)
+    assert "--engine-faults" not in server_arguments(SoakConfig(engine_faults=""))
+    assert not [name for name in server_environment(soak) if name.startswith("TRIO_ENCODE_")]
+    fleet = FleetDemoConfig(encoder=tiny)
+    server = fleet.server(port=0, store_master="127.0.0.1:1")
+    assert _served_with(serve_flags(server), captured) == server
+    assert server.service.send_timeout == fleet.send_timeout
+    assert server.encoder.depth == 1  # the model, not the variable's 3
+
+
+def test_a_tool_declared_setting_the_server_refuses_is_refused_when_declared() -> None:
+    with pytest.raises(ValidationError, match="--send-timeout"):
+        FleetDemoConfig(send_timeout=math.inf)
+    with pytest.raises(ValidationError, match="--send-timeout"):
+        SoakConfig(send_timeout=0)
 
 
 def test_a_bad_setting_is_refused_with_the_reason(captured: list[ServerSettings]) -> None:

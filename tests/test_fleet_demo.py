@@ -3,13 +3,13 @@ encoder killed half-way; every rank served, every byte checked, the table printe
 
 from __future__ import annotations
 
-from support.cluster import TINY_MODEL
+from support.cluster import TINY_ENCODER
 from trio_encode.tools.fleet_demo import FleetDemoConfig, run_fleet_demo
 
 
 async def test_the_fleet_demo_survives_a_killed_encoder_and_prints_its_table() -> None:
     config = FleetDemoConfig(
-        encoders=2, ranks=2, requests=12, distinct=3, concurrency=2, serve_options=TINY_MODEL
+        encoders=2, ranks=2, requests=12, distinct=3, concurrency=2, encoder=TINY_ENCODER
     )
     outcome = await run_fleet_demo(config)
     table = outcome.table()

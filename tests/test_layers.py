@@ -25,6 +25,7 @@ LAYERS: tuple[frozenset[str], ...] = tuple(
         "tools",  # demo, fleet demo, bench, soak
         "testing",  # test doubles and drivers: the in-memory engine, fault injection, costs
         "server logs",  # HTTP: the app, its errors and metrics, hypercorn, log set-up
+        "options",  # the command line's options, generated from the settings
         "settings",  # every setting of `serve`, gathered from the layers that obey them
         "service",  # the service nursery: scopes, pulls, the encoder and the engine together
         "scopes",  # the live scopes, by req_id

@@ -1,9 +1,9 @@
 """``.. settings-catalog::``: every setting as tables, one section per ``--help`` group.
 
 The rows come from the same declarations the command line is generated from
-(:func:`trio_encode.settings.catalog` for the server's settings, the ``demo`` and ``bench``
-commands' own models for theirs) and are shown the way ``--help`` shows them, so the page
-cannot drift from the flags.
+(:func:`trio_encode.settings.catalog` for the server's settings, the ``demo``, ``bench``,
+``fleet`` and ``soak`` commands' own models for theirs) and are shown the way ``--help``
+shows them, so the page cannot drift from the flags.
 """
 
 from __future__ import annotations
@@ -15,11 +15,16 @@ from docutils import nodes
 from sphinx.application import Sphinx
 from sphinx.util.docutils import SphinxDirective
 
-from trio_encode.cli import _is_bool, _metavar, _shown_default
 from trio_encode.declare import GROUPS
-from trio_encode.settings import Setting, catalog, model_fields
+from trio_encode.options import command_settings, is_bool, metavar, shown_default
+from trio_encode.settings import catalog
 from trio_encode.tools.bench.settings import BenchConfig
 from trio_encode.tools.demo import DemoSettings
+from trio_encode.tools.fleet_demo import FleetDemoConfig
+from trio_encode.tools.soak.run import SoakConfig
+
+COMMANDS: tuple[type[Any], ...] = (DemoSettings, BenchConfig, FleetDemoConfig, SoakConfig)
+"""The commands' own settings models, shown after the server's."""
 
 HEADERS = ("flag", "variable", "config key", "type", "default", "help")
 WIDTHS = (18, 22, 14, 10, 8, 28)
@@ -27,6 +32,8 @@ WIDTHS = (18, 22, 14, 10, 8, 28)
 GROUP_INTROS = {
     "demo": "Flags of ``trio-encode demo`` only; the command line is their only source.",
     "bench": "Flags of ``trio-encode bench`` only; the command line is their only source.",
+    "fleet": "Flags of ``trio-encode fleet`` only; the command line is their only source.",
+    "soak": "Flags of ``trio-encode soak`` only; the command line is their only source.",
 }
 
 
@@ -43,21 +50,13 @@ class Row:
     help: str
 
 
-def _command_settings(model: type[Any]) -> list[Setting]:
-    """A command's own settings (the demo's, the bench's): flags, no variable, no config key."""
-    return [
-        Setting(name, None, name, info, env=None)
-        for name, info in model_fields(model).items()
-        if isinstance(info.json_schema_extra, dict) and "group" in info.json_schema_extra
-    ]
-
-
 def rows() -> list[Row]:
     """Every setting of every command, in declaration order."""
     found = []
-    for entry in [*catalog(), *_command_settings(DemoSettings), *_command_settings(BenchConfig)]:
+    own = [entry for model in COMMANDS for entry in command_settings(model)]
+    for entry in [*catalog(), *own]:
         info = entry.info
-        boolean = _is_bool(info)
+        boolean = is_bool(info)
         flags = [f"{entry.flag} / --no-{entry.flag[2:]}" if boolean else entry.flag]
         flags += list(entry.aliases)
         found.append(
@@ -66,8 +65,8 @@ def rows() -> list[Row]:
                 flags=", ".join(flags),
                 variable=entry.env,
                 config_key=entry.name if entry.env else None,
-                type="flag" if boolean else _metavar(info),
-                default=_shown_default(info),
+                type="flag" if boolean else metavar(info),
+                default=shown_default(info),
                 help=info.description or "",
             )
         )
@@ -111,7 +110,7 @@ def _table(group_rows: list[Row]) -> nodes.table:
 
 class SettingsCatalog(SphinxDirective):
     """Sections titled by ``--help`` group, each with a table of its settings: the server's
-    groups, then the ``demo`` and ``bench`` commands' own."""
+    groups, then the commands' own (``demo``, ``bench``, ``fleet``, ``soak``)."""
 
     has_content = False
 

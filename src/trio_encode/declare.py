@@ -13,7 +13,9 @@ from typing import Any, Literal, get_args
 
 from pydantic import Field
 
-Group = Literal["demo", "bench", "server", "engine", "model", "batching", "cache", "logging"]
+Group = Literal[
+    "demo", "bench", "fleet", "soak", "server", "engine", "model", "batching", "cache", "logging"
+]
 """The sections of ``--help``, in the order they are shown (a command's own first)."""
 GROUPS: tuple[Group, ...] = get_args(Group)
 

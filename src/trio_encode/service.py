@@ -67,6 +67,7 @@ class ServiceSettings:
         180.0,
         group="server",
         gt=0,
+        allow_inf_nan=False,
         help="Seconds from a request's first /encode until its scope is ended whatever the "
         "clients do (the backstop): waiting calls get 504, its memory is released.",
     )

@@ -27,7 +27,7 @@ from functools import cache
 from pathlib import Path
 from typing import Annotated, Any, Literal, cast
 
-from pydantic import AfterValidator, BeforeValidator, Field, model_validator
+from pydantic import AfterValidator, BeforeValidator, Field, ValidationError, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
@@ -188,7 +188,7 @@ class Setting:
 
     @property
     def flag(self) -> str:
-        return "--" + self.name.replace("_", "-")
+        return flag_of(self.name)
 
     @property
     def group(self) -> Group:
@@ -198,6 +198,11 @@ class Setting:
     def aliases(self) -> tuple[str, ...]:
         """Other flags it answers to."""
         return tuple(_extra(self.info).get("flags", ()))
+
+
+def flag_of(name: str) -> str:
+    """The command-line flag of a setting's flat name: ``send_timeout`` -> ``--send-timeout``."""
+    return "--" + name.replace("_", "-")
 
 
 def _extra(info: FieldInfo) -> dict[str, Any]:
@@ -314,3 +319,66 @@ def describe_error(loc: tuple[int | str, ...]) -> str:
     if entry is None:
         return repr(name)
     return f"{entry.flag} / {entry.env} / {entry.name!r} in the config file"
+
+
+def flat_values(settings: ServerSettings) -> dict[str, Any]:
+    """Every setting's value by flat name (the shape of the config file)."""
+    values = {}
+    for entry in catalog():
+        holder = settings if entry.section is None else getattr(settings, entry.section)
+        values[entry.name] = getattr(holder, entry.field)
+    return values
+
+
+def flags(values: Mapping[str, Any]) -> list[str]:
+    """Command-line flags that set ``values`` (flat names): ``{"port": 0, "warmup": False}``
+    -> ``["--port", "0", "--no-warmup"]``; a list is comma-separated."""
+    found: list[str] = []
+    for name, value in values.items():
+        flag = flag_of(name)
+        if isinstance(value, bool):
+            found.append(flag if value else "--no-" + flag[2:])
+        elif value is None:
+            raise ValueError(f"{flag}: no flag gives the value None")
+        elif isinstance(value, tuple):
+            found += [flag, ",".join(str(item) for item in value)]
+        else:
+            found += [flag, str(value)]
+    return found
+
+
+def serve_flags(settings: ServerSettings) -> list[str]:
+    """The ``trio-encode serve`` flags that give a child process exactly ``settings``: one for
+    every setting that differs from its default. Start the child with
+    :func:`child_environment`, so no ``TRIO_ENCODE_*`` variable adds to them."""
+    defaults = flat_values(ServerSettings.exactly())
+    return flags(
+        {name: value for name, value in flat_values(settings).items() if value != defaults[name]}
+    )
+
+
+def child_environment(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """This process's environment without its ``TRIO_ENCODE_*`` variables, and ``extra``: a
+    child ``trio-encode serve`` then has only the settings its flags give it."""
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
+    return {**inherited, **(extra or {})}
+
+
+def server_settings(**values: Any) -> ServerSettings:
+    """:meth:`ServerSettings.exactly`, a refused value a :class:`ValueError` naming its flag:
+    for a tool that starts servers, which checks their settings before it starts anything."""
+    try:
+        return ServerSettings.exactly(**values)
+    except ValidationError as error:
+        problems = [
+            f"{_flag_at(problem['loc'])}: {problem['msg'].removeprefix('Value error, ')}"
+            for problem in error.errors()
+        ]
+        raise ValueError("; ".join(problems)) from None
+
+
+def _flag_at(loc: tuple[int | str, ...]) -> str:
+    names = [str(part) for part in loc]
+    if len(names) >= 2 and names[0] in SECTIONS:
+        return flag_of(SECTIONS[names[0]][1] + names[1])
+    return flag_of(names[0]) if names else "settings"

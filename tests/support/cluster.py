@@ -25,12 +25,15 @@ import numpy as np
 from PIL import Image
 
 from trio_encode.client import metric_value
+from trio_encode.encoder import EncoderSettings
+from trio_encode.settings import ServerSettings, serve_flags
 
-# A small built-in ViT: 64 tokens of 1024 floats (256 KiB) per image, quick to load and run.
-TINY_MODEL = (
-    "--image-size", "64", "--patch-size", "8", "--width", "64", "--heads", "2",
-    "--depth", "1", "--hidden-size", "1024", "--torch-threads", "1",
-)  # fmt: skip
+TINY_ENCODER = EncoderSettings(
+    image_size=64, patch_size=8, width=64, heads=2, depth=1, hidden_size=1024, torch_threads=1
+)
+"""A small built-in ViT: 64 tokens of 1024 floats (256 KiB) per image, quick to load and run."""
+TINY_MODEL = tuple(serve_flags(ServerSettings.exactly(encoder=TINY_ENCODER)))
+"""Its ``trio-encode serve`` flags."""
 P = "trio_encode_"
 
 

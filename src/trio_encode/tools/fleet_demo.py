@@ -31,6 +31,8 @@ from pathlib import Path
 
 import httpx
 import trio
+from pydantic import ConfigDict, Field, model_validator
+from pydantic.dataclasses import dataclass as settings_dataclass
 
 from trio_encode.client import (
     ChecksumMismatch,
@@ -41,35 +43,69 @@ from trio_encode.client import (
     metric_value,
 )
 from trio_encode.client.fleet import RouteBy
+from trio_encode.declare import setting
+from trio_encode.encoder import EncoderSettings
 from trio_encode.engine.mooncake import MooncakeEngine, MooncakeSettings
 from trio_encode.errors import RequestError
+from trio_encode.settings import ServerSettings, child_environment, serve_flags, server_settings
 from trio_encode.tools.demo import demo_image
 
 P = "trio_encode_"
 _SLOT_BYTES = 16 << 20  # room for one request's embedding per concurrent request and rank
+_STORE_SEGMENT_BYTES = 256 << 20  # each encoder's share of the store
 
 
-@dataclass(frozen=True)
+@settings_dataclass(frozen=True, config=ConfigDict(extra="forbid"))
 class FleetDemoConfig:
-    encoders: int = 3
-    ranks: int = 4
-    requests: int = 48
-    distinct: int = 12
-    """Distinct images; each request asks for one of them, so each is asked for about
-    ``requests / distinct`` times."""
-    concurrency: int = 4
-    """Requests in flight at once (each with all its ranks)."""
-    kill: bool = True
-    """Kill one encoder (SIGKILL) once half of the requests are done."""
-    store: bool = True
-    route_by: RouteBy = "content"
-    serve_options: tuple[str, ...] = ("--torch-threads", "1")
-    """Extra ``trio-encode serve`` flags for every encoder."""
+    """The fleet's size and workload (flags of ``trio-encode fleet``), and what its encoders
+    are started with."""
 
-    def __post_init__(self) -> None:
-        for name in ("encoders", "ranks", "requests", "distinct", "concurrency"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1")
+    encoders: int = setting(3, group="fleet", gt=0, help="Encode servers.")
+    ranks: int = setting(4, group="fleet", gt=0, help="TP prefill ranks.")
+    requests: int = setting(48, group="fleet", gt=0, help="Requests to run.")
+    distinct: int = setting(
+        12,
+        group="fleet",
+        gt=0,
+        help="Distinct images the requests draw from (each is asked for repeatedly).",
+    )
+    concurrency: int = setting(4, group="fleet", gt=0, help="Requests in flight at once.")
+    kill: bool = setting(
+        True, group="fleet", help="Kill one encoder once half of the requests are done."
+    )
+    store: bool = setting(
+        True,
+        group="fleet",
+        help="Start a mooncake_master and share embeddings through Mooncake Store.",
+    )
+    route_by: RouteBy = setting(
+        "content",
+        group="fleet",
+        help="content: the images pick the encoder; request: the req_id does (no affinity, "
+        "for comparison).",
+    )
+    encoder: EncoderSettings = Field(default_factory=lambda: EncoderSettings(torch_threads=1))
+    """The model every encoder runs (one torch thread each: they share the machine)."""
+    send_timeout: float = 10.0
+    """Every encoder's ``send_timeout``: a rank whose encoder was killed gives up soon."""
+    shutdown_grace: float = 2.0
+
+    @model_validator(mode="after")
+    def _servers_start(self) -> FleetDemoConfig:
+        self.server(port=0, store_master=None)  # refused here, before anything starts
+        return self
+
+    def server(self, *, port: int, store_master: str | None) -> ServerSettings:
+        """The settings of one encoder (its flags: :func:`~trio_encode.settings.serve_flags`)."""
+        store = {"store_master": store_master, "store_segment_bytes": _STORE_SEGMENT_BYTES}
+        return server_settings(
+            port=port,
+            log_level="WARNING",
+            send_timeout=self.send_timeout,
+            shutdown_grace=self.shutdown_grace,
+            encoder=self.encoder,
+            **(store if store_master else {}),
+        )
 
 
 @dataclass
@@ -165,7 +201,7 @@ def _free_port() -> int:
 @asynccontextmanager
 async def _process(command: list[str], log: Path) -> AsyncIterator[trio.Process]:
     """A child process for the body of the ``async with``; killed on the way out."""
-    env = dict(os.environ, MC_LOG_LEVEL=os.environ.get("MC_LOG_LEVEL", "ERROR"))
+    env = child_environment({"MC_LOG_LEVEL": os.environ.get("MC_LOG_LEVEL", "ERROR")})
     with log.open("wb") as out:
         process = await trio.lowlevel.open_process(
             command, stdout=out, stderr=subprocess.STDOUT, env=env
@@ -218,7 +254,7 @@ async def _run_cluster(config: FleetDemoConfig, outcome: FleetOutcome) -> None:
     logs = outcome.logs
     async with AsyncExitStack() as stack:
         http = await stack.enter_async_context(httpx.AsyncClient(timeout=5))
-        store_flags: list[str] = []
+        master_address: str | None = None
         if config.store:
             port = _free_port()
             master = await stack.enter_async_context(
@@ -239,8 +275,7 @@ async def _run_cluster(config: FleetDemoConfig, outcome: FleetOutcome) -> None:
                 return True
 
             await _until("mooncake_master", 20, master, listening)
-            store_flags = ["--store-master", f"127.0.0.1:{port}"]
-            store_flags += ["--store-segment-bytes", str(256 << 20)]
+            master_address = f"127.0.0.1:{port}"
 
         urls: list[str] = []
         processes: list[trio.Process] = []
@@ -251,15 +286,13 @@ async def _run_cluster(config: FleetDemoConfig, outcome: FleetOutcome) -> None:
                 await stack.enter_async_context(
                     _process(
                         [
-                            sys.executable, "-m", "trio_encode.cli", "serve",
-                            "--port", str(port), "--log-level", "WARNING",
-                            "--send-timeout", "10", "--shutdown-grace", "2",
-                            *store_flags, *config.serve_options,
+                            *(sys.executable, "-m", "trio_encode.cli", "serve"),
+                            *serve_flags(config.server(port=port, store_master=master_address)),
                         ],
                         logs / f"encoder-{n}.log",
                     )
                 )
-            )  # fmt: skip
+            )
         for url, process in zip(urls, processes, strict=True):
 
             async def ready(url: str = url) -> bool:

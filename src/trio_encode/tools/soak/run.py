@@ -28,16 +28,28 @@ import statistics
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import httpx
 import trio
+from pydantic import BeforeValidator, ConfigDict, Field, model_validator
+from pydantic.dataclasses import dataclass as settings_dataclass
 
 from trio_encode.client import metric_value
+from trio_encode.declare import setting
 from trio_encode.encoder import EncoderSettings
+from trio_encode.settings import (
+    ServerSettings,
+    child_environment,
+    flags,
+    model_fields,
+    serve_flags,
+    server_settings,
+)
+from trio_encode.testing.faults import DrillSettings, EngineFaults, FaultPlan
 from trio_encode.tools.soak.drill import Call, Rank, Workload, post
 from trio_encode.tools.soak.receiver import ReceiverGone, ReceiverProcess, open_receiver
 from trio_encode.tools.soak.server import ServerProcess, open_server_process
@@ -46,56 +58,95 @@ P = "trio_encode_"
 ALLOWED = {"/encode": {200, 410, 503, 504}, "/send": {200, 410, 502, 503, 504}}
 """What the contract lets each route answer in a soak (no bad input is sent, so no 400, and
 no /send is made without its rank's /encode, so no 404). A 502 must name code -1."""
-_ENCODER_FLAGS = (
-    *("image_size", "patch_size", "width", "depth", "heads", "mlp_ratio", "hidden_size"),
-    *("dtype", "seed", "weights", "hf_model_dir", "hf_feature_layer", "max_batch_size"),
-    *("max_batch_wait", "queue_size", "cache_bytes", "max_image_bytes", "max_image_pixels"),
-    "torch_threads",
-)
-"""The encoder settings ``trio-encode serve`` takes as flags (and ``TRIO_ENCODE_*``)."""
 
 
-@dataclass(frozen=True)
+def _none_when_empty(value: Any) -> Any:
+    return None if value == "" else value
+
+
+OptionalFaults = Annotated[EngineFaults | None, BeforeValidator(_none_when_empty)]
+
+
+@settings_dataclass(frozen=True, config=ConfigDict(extra="forbid"))
 class SoakConfig:
-    """What to run; the defaults are the full soak (several minutes on 2 cores)."""
+    """What to run; the defaults are the full soak (several minutes on 2 cores). The fields
+    declared with ``setting`` are flags of ``trio-encode soak``."""
 
-    requests: int = 5000
-    tp: int = 4
-    images: int = 200
-    """Distinct images the requests draw from (so the embedding cache both hits and evicts)."""
-    two_image_share: float = 0.1
+    requests: int = setting(5000, group="soak", gt=0, help="Requests to run.")
+    tp: int = setting(4, group="soak", gt=0, help="Receiving prefill ranks.")
+    images: int = setting(
+        200,
+        group="soak",
+        ge=2,
+        help="Distinct images the requests draw from (so the embedding cache both hits and "
+        "evicts).",
+    )
+    concurrency: int = setting(12, group="soak", gt=0, help="Requests in flight at once.")
+    warmup: int = setting(
+        500,
+        group="soak",
+        ge=0,
+        help="Requests before client faults start and the RSS level is taken (at most all "
+        "but one).",
+    )
+    send_timeout: float = setting(
+        10.0,
+        group="soak",
+        flags=("--soak-send-timeout",),
+        help="The server's --send-timeout during the soak.",
+    )
+    engine_faults: OptionalFaults = setting(
+        FaultPlan(register=0.005, transfer=0.005, seed=1),
+        group="soak",
+        flags=("--soak-engine-faults",),
+        help="The server's --engine-faults during the soak ('' for none).",
+    )
+    vanish_rate: float = setting(
+        0.01,
+        group="soak",
+        ge=0,
+        le=0.3,
+        help="Per rank and request, the chance of each way a client vanishes (mid-body, "
+        "after /encode, mid-/send).",
+    )
+    freeze_seconds: float = setting(
+        8.0, group="soak", ge=0, help="How long one rank is SIGSTOPped (0: never)."
+    )
+    kill: bool = setting(True, group="soak", help="SIGKILL one rank.")
+    two_image_share: float = Field(default=0.1, ge=0, le=1)
     """Share of requests with two images rather than one."""
-    concurrency: int = 12
-    """Requests in flight at once."""
-    warmup: int = 500
-    """Requests before any client-side fault, and before the RSS level is taken."""
-    send_timeout: float = 10.0
-    """The server's backstop deadline."""
     transfer_timeout: int = 2
     """``MC_TRANSFER_TIMEOUT`` for the server: a transfer into a frozen rank fails after about
     5 s with it (30 s without)."""
-    engine_faults: str = "register=0.005,transfer=0.005,seed=1"
-    """``--engine-faults`` for the server ("" for none)."""
-    vanish_rate: float = 0.01
-    """Per rank and request, the chance of each way of vanishing (mid-body, after /encode,
-    mid-/send)."""
-    freeze_seconds: float = 8.0
-    kill: bool = True
     rss_tolerance: float = 0.10
     probe_tolerance: float = 2.0
     probe_interval: float = 0.1
-    encoder: EncoderSettings = field(default_factory=EncoderSettings)
+    encoder: EncoderSettings = Field(default_factory=EncoderSettings)
     server_env: tuple[tuple[str, str], ...] = ()
     """Extra environment for the server process."""
     seed: int = 0
 
-    def __post_init__(self) -> None:
-        if self.requests < 1 or self.tp < 1 or self.concurrency < 1 or self.images < 2:
-            raise ValueError("requests, tp and concurrency must be >= 1, images >= 2")
-        if not 0 <= self.warmup < self.requests:
-            raise ValueError("warmup must be in [0, requests)")
-        if not 0 <= self.vanish_rate <= 0.3 or not 0 <= self.two_image_share <= 1:
-            raise ValueError("vanish_rate must be in [0, 0.3], two_image_share in [0, 1]")
+    @model_validator(mode="after")
+    def _server_starts(self) -> SoakConfig:
+        self.server()  # refused here, before anything starts
+        return self
+
+    @property
+    def warmup_requests(self) -> int:
+        """Requests before the faults: ``warmup``, leaving at least one request after it."""
+        return min(self.warmup, self.requests - 1)
+
+    def server(self) -> ServerSettings:
+        """The settings of the server process (its flags:
+        :func:`~trio_encode.settings.serve_flags`)."""
+        return server_settings(
+            port=0,
+            send_timeout=self.send_timeout,
+            shutdown_grace=5,
+            log_level="INFO",
+            log_format="kv",
+            encoder=self.encoder,
+        )
 
     @property
     def deadline_bound(self) -> float:
@@ -205,26 +256,18 @@ class SoakResult:
 
 
 def server_environment(config: SoakConfig) -> dict[str, str]:
-    """The server's settings as ``TRIO_ENCODE_*`` variables, and the engine's timeout."""
-    env = {
-        "MC_TRANSFER_TIMEOUT": str(config.transfer_timeout),
-        "TRIO_ENCODE_SEND_TIMEOUT": str(config.send_timeout),
-        "TRIO_ENCODE_SHUTDOWN_GRACE": "5",
-        "TRIO_ENCODE_LOG_LEVEL": "INFO",
-    }
-    known = {f.name for f in fields(EncoderSettings)}
-    for name in _ENCODER_FLAGS:
-        assert name in known, name
-        value = getattr(config.encoder, name)
-        if value is not None:
-            env[f"TRIO_ENCODE_{name.upper()}"] = str(value)
-    env.update(dict(config.server_env))
-    return env
+    """The server's environment: no ``TRIO_ENCODE_*`` variable (its settings are its flags),
+    the engine's timeout and ``server_env``."""
+    return child_environment(
+        {"MC_TRANSFER_TIMEOUT": str(config.transfer_timeout), **dict(config.server_env)}
+    )
 
 
 def server_arguments(config: SoakConfig) -> list[str]:
-    """The drill options of the server's command line (``--engine-faults``)."""
-    return ["--engine-faults", config.engine_faults] if config.engine_faults else []
+    """The server's command line: its settings, and the drill's engine faults."""
+    drill = DrillSettings(engine_faults=config.engine_faults)
+    given = {name: getattr(drill, name) for name in model_fields(DrillSettings)}
+    return serve_flags(config.server()) + flags({k: v for k, v in given.items() if v is not None})
 
 
 RSS_WINDOW = 10.0
@@ -280,7 +323,7 @@ class _Soak:
         if self.random.random() < self.config.two_image_share:
             images.append(self.random.randrange(self.config.images))
         req_id = f"soak-{index}"
-        faults = index >= self.config.warmup
+        faults = index >= self.config.warmup_requests
         async with trio.open_nursery() as ranks:
             for r in range(self.config.tp):
                 vanish = self._draw_vanish() if faults else None
@@ -514,8 +557,9 @@ async def _drive(
     probe_rank: Rank,
 ) -> None:
     config = soak.config
-    freeze_at = config.warmup + (config.requests - config.warmup) * 2 // 5
-    kill_at = config.warmup + (config.requests - config.warmup) * 7 // 10
+    warmup = config.warmup_requests
+    freeze_at = warmup + (config.requests - warmup) * 2 // 5
+    kill_at = warmup + (config.requests - warmup) * 7 // 10
     limiter = trio.Semaphore(config.concurrency)
     async with trio.open_nursery() as requests:
         requests.start_soon(soak.probe, http, probe_rank, background)
@@ -525,7 +569,7 @@ async def _drive(
             if soak.pace:
                 await trio.sleep_until(next_start)
                 next_start = max(next_start, trio.current_time()) + soak.pace
-            if index == config.warmup:
+            if index == warmup:
                 soak.warm_at = time.monotonic()
             if index == freeze_at and config.freeze_seconds > 0:
                 requests.start_soon(soak.freeze, 1 % config.tp)

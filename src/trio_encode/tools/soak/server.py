@@ -7,7 +7,6 @@ it can be sent signals. On exit it gets SIGTERM, and SIGKILL if it has not stopp
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import subprocess
@@ -18,6 +17,8 @@ from contextlib import asynccontextmanager
 
 import httpx
 import trio
+
+from trio_encode.settings import child_environment
 
 _SERVING = re.compile(r"serving on (http://[^\s]+)")
 
@@ -85,14 +86,14 @@ async def open_server_process(
     start_timeout: float = 120.0,
     stop_timeout: float = 60.0,
 ) -> AsyncIterator[ServerProcess]:
-    """Run ``trio-encode serve --port 0 ARGS`` with ``env`` added to this environment.
+    """Run ``trio-encode serve --port 0 ARGS`` in ``env`` (default: this process's environment
+    without its ``TRIO_ENCODE_*`` variables, so ``ARGS`` are all its settings).
 
     Yields once it is ready (``/readyz`` answers 200); on exit stops it (SIGTERM, then SIGKILL after
     ``stop_timeout``) and keeps reading its log until it has gone.
     """
     command = [sys.executable, "-m", "trio_encode.cli", "serve", "--port", "0", *args]
-    full_env = {"MC_LOG_LEVEL": "ERROR", "TRIO_ENCODE_LOG_FORMAT": "kv", **os.environ}
-    full_env.update(env or {})
+    full_env = {"MC_LOG_LEVEL": "ERROR", **(child_environment() if env is None else env)}
     process = await trio.lowlevel.open_process(command, stderr=subprocess.PIPE, env=full_env)
     server = ServerProcess(process)
     try:

@@ -1,0 +1,199 @@
+"""The command line's options, generated from settings fields, and the settings they build.
+
+No option of ``trio-encode`` is declared by hand: each is made from a field declared with
+:func:`~trio_encode.declare.setting` (its type, default, bounds and help), so a setting added to
+a model is a flag at once, and ``--help`` lists it under its group. A server command's flags
+are read with :func:`load_settings` (flags over ``TRIO_ENCODE_*`` variables over the
+``--config`` file over the defaults, see :mod:`trio_encode.settings`); a tool's own flags
+(the demo's, the bench's...) with :func:`build`. A refused value is a usage error naming the
+flag, before anything starts.
+"""
+
+from __future__ import annotations
+
+import typing
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+from click.core import ParameterSource
+from pydantic import ValidationError
+from pydantic.fields import FieldInfo
+from pydantic_settings import SettingsError
+
+from trio_encode.declare import GROUPS, Group
+from trio_encode.settings import ServerSettings, Setting, catalog, describe_error, model_fields
+from trio_encode.sizes import format_size, parse_size
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+SERVE_GROUPS: tuple[Group, ...] = ("server", "engine", "model", "batching", "cache", "logging")
+"""Every group of the server's settings: what `serve` accepts."""
+MODEL_GROUPS: tuple[Group, ...] = ("engine", "model", "batching", "cache")
+"""The groups a command that loads the model but serves no clients of its own accepts."""
+
+
+class SettingOption(click.Option):
+    """An option made from a setting; it remembers its ``--help`` group."""
+
+    def __init__(self, entry: Setting) -> None:
+        info = entry.info
+        decls = [entry.name, entry.flag, *entry.aliases]
+        if is_bool(info):
+            decls = [entry.name, f"{entry.flag}/--no-{entry.flag[2:]}"]
+        notes = [f"env: {entry.env}"] if entry.env else []
+        default = shown_default(info)
+        if default is not None:
+            notes.append(f"default: {default}")
+        help_text = info.description or ""
+        if notes:
+            help_text += f"  [{'; '.join(notes)}]"
+        super().__init__(
+            decls,
+            default=None,
+            is_flag=is_bool(info) or None,
+            metavar=None if is_bool(info) else metavar(info),
+            help=help_text,
+        )
+        self.group: Group = entry.group
+
+
+class GroupedCommand(click.Command):
+    """A command whose ``--help`` lists its setting options under their groups."""
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        sections: dict[str, list[tuple[str, str]]] = {}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is None:
+                continue
+            title: str = param.group if isinstance(param, SettingOption) else "options"
+            sections.setdefault(title, []).append(record)
+        for title in ("options", *GROUPS):
+            if title in sections:
+                with formatter.section(title.capitalize()):
+                    formatter.write_dl(sections[title])
+
+
+def is_bool(info: FieldInfo) -> bool:
+    """Whether a setting is an on/off flag (``--x/--no-x``)."""
+    return info.annotation is bool
+
+
+def metavar(info: FieldInfo) -> str:
+    """What ``--help`` shows a setting's value as: its choices, SIZE, INTEGER..."""
+    annotation = info.annotation
+    choices = typing.get_args(annotation) if typing.get_origin(annotation) is typing.Literal else ()
+    if choices:
+        return "[" + "|".join(str(choice) for choice in choices) + "]"
+    if any(getattr(meta, "func", None) is parse_size for meta in info.metadata):
+        return "SIZE"
+    members = {_bare(member) for member in typing.get_args(annotation)} or {annotation}
+    for kind, name in ((int, "INTEGER"), (float, "FLOAT"), (Path, "PATH")):
+        if kind in members:
+            return name
+    if typing.get_origin(annotation) is tuple:
+        return "N,N,..."
+    return "TEXT"
+
+
+def _bare(annotation: Any) -> Any:
+    """``Annotated[Path, ...]`` -> ``Path``."""
+    if typing.get_origin(annotation) is typing.Annotated:
+        return typing.get_args(annotation)[0]
+    return annotation
+
+
+def shown_default(info: FieldInfo) -> str | None:
+    """A setting's default as ``--help`` shows it (None: not shown)."""
+    value = info.get_default(call_default_factory=True)
+    if value is None or value == "":
+        return None
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if any(getattr(meta, "func", None) is parse_size for meta in info.metadata):
+        return format_size(value)
+    if isinstance(value, tuple):
+        return ",".join(str(item) for item in value)
+    return str(value)
+
+
+def setting_options(entries: Iterable[Setting]) -> Callable[[F], F]:
+    """Add an option for each setting to a command (in order, in their groups)."""
+
+    def apply(command: F) -> F:
+        params = getattr(command, "__click_params__", [])
+        params.extend(reversed([SettingOption(entry) for entry in entries]))
+        command.__click_params__ = params  # type: ignore[attr-defined]
+        return command
+
+    return apply
+
+
+def server_options(*groups: Group) -> Callable[[F], F]:
+    """The options of the server settings in ``groups``, plus ``--config``."""
+    return setting_options(
+        entry for entry in catalog() if entry.group in groups or entry.name == "config"
+    )
+
+
+def model_options(model: type[Any]) -> Callable[[F], F]:
+    """Flags (no variables) for the declared settings of a command's own model (the demo's,
+    the bench's); its fields without a group (nested settings) are not options."""
+    return setting_options(command_settings(model))
+
+
+def command_settings(model: type[Any]) -> list[Setting]:
+    """A command's own settings (the demo's, the bench's...): flags, no variable, no config
+    key; fields without a group (nested settings, fixed values) are not among them."""
+    return [
+        Setting(name, None, name, info, env=None)
+        for name, info in model_fields(model).items()
+        if isinstance(info.json_schema_extra, dict) and "group" in info.json_schema_extra
+    ]
+
+
+def given(options: dict[str, Any], names: Iterable[str] | None = None) -> dict[str, Any]:
+    """The options the command line actually set (so variables, the config file and the
+    defaults decide the rest), limited to ``names`` when given."""
+    ctx = click.get_current_context()
+    wanted = set(options) if names is None else set(names)
+    return {
+        name: value
+        for name, value in options.items()
+        if name in wanted and ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE
+    }
+
+
+def load_settings(flags: dict[str, Any], **overrides: Any) -> ServerSettings:
+    """The server settings (flags over variables over the config file over defaults), with
+    ``overrides`` on top; a value any of them got wrong is a usage error naming where it is
+    set."""
+    try:
+        return ServerSettings(**{**flags, **overrides})
+    except ValidationError as error:
+        raise click.UsageError(_validation_message(error, describe_error)) from error
+    except SettingsError as error:
+        raise click.UsageError(str(error)) from error
+
+
+def build(model: Callable[..., Any], flags: dict[str, Any], **values: Any) -> Any:
+    """A command's own model from its flags; a refused value is a usage error."""
+    try:
+        return model(**values, **flags)
+    except ValidationError as error:
+        message = _validation_message(
+            error, lambda loc: "--" + str(loc[0]).replace("_", "-") if loc else "settings"
+        )
+        raise click.UsageError(message) from error
+
+
+def _validation_message(
+    error: ValidationError, where: Callable[[tuple[int | str, ...]], str]
+) -> str:
+    lines = []
+    for problem in error.errors():
+        message = problem["msg"].removeprefix("Value error, ")
+        lines.append(f"invalid {where(problem['loc'])}: {message}")
+    return "\n".join(lines)
