@@ -15,7 +15,7 @@ import torch
 import trio
 
 from support.engines import TP, RankEngines
-from support.harness import P, landing_pools, serving
+from support.harness import landing_pools, serving
 from test_http_real_encoder import SMALL, direct, png_uri
 from trio_encode.client import EncodeClient, LandingPool, LandingSlot, metric_value
 from trio_encode.encoder import ImageEncoder
@@ -65,13 +65,13 @@ async def test_tp4_over_the_arena_registers_once_for_all_requests(
         expected = direct(encoder, uris)
         for r in range(TP):
             assert torch.equal(landed[req_id, r].read(*expected.shape, "float32"), expected)
-    assert metric_value(text, P + "registrations_total") == 1, "the arena, once"
-    assert metric_value(text, P + "deregistrations_total") == 0
-    assert metric_value(text, P + "arena_fallbacks") == 0
-    assert metric_value(text, P + "arena_leased_bytes") == 0, "every scope gave its segments back"
-    assert metric_value(text, P + "arena_cached_bytes") == 7 * 4096 * 4  # 7 images, 16 KiB each
-    assert metric_value(text, P + "register_seconds_count") == 1
-    assert metric_value(text, P + "engine_errors_total") == 0
+    assert metric_value(text, "registrations_total") == 1, "the arena, once"
+    assert metric_value(text, "deregistrations_total") == 0
+    assert metric_value(text, "arena_fallbacks") == 0
+    assert metric_value(text, "arena_leased_bytes") == 0, "every scope gave its segments back"
+    assert metric_value(text, "arena_cached_bytes") == 7 * 4096 * 4  # 7 images, 16 KiB each
+    assert metric_value(text, "register_seconds_count") == 1
+    assert metric_value(text, "engine_errors_total") == 0
 
 
 async def test_a_full_arena_falls_back_to_per_request_registration(
@@ -92,8 +92,8 @@ async def test_a_full_arena_falls_back_to_per_request_registration(
         expected = direct(encoder, uris)
         for r in range(TP):
             assert torch.equal(landed[req_id, r].read(*expected.shape, "float32"), expected)
-    fallbacks = metric_value(text, P + "arena_fallbacks")
+    fallbacks = metric_value(text, "arena_fallbacks")
     assert fallbacks == len(requests)
-    assert metric_value(text, P + "registrations_total") == 1 + fallbacks
-    assert metric_value(text, P + "deregistrations_total") == fallbacks
-    assert metric_value(text, P + "arena_leased_bytes") == 0
+    assert metric_value(text, "registrations_total") == 1 + fallbacks
+    assert metric_value(text, "deregistrations_total") == fallbacks
+    assert metric_value(text, "arena_leased_bytes") == 0

@@ -7,7 +7,7 @@ import torch
 import trio
 
 from support.engines import TP, RankEngines
-from support.harness import P, landing_pools, serving
+from support.harness import landing_pools, serving
 from trio_encode.client import ChecksumMismatch, LandingSlot, metric_value
 from trio_encode.errors import RequestReleased
 from trio_encode.testing.stand_in_encoder import embedding_size, expected_embedding, image_uri
@@ -58,13 +58,11 @@ async def test_tp4_ranks_encode_and_send_many_requests_at_once(rank_engines: Ran
                 assert torch.equal(copy, expected)
 
         text = await harness.settled()
-        assert metric_value(text, P + "registrations_total") == REQUESTS
-        assert metric_value(text, P + "deregistrations_total") == REQUESTS
-        assert metric_value(text, P + "transfer_bytes_total") == REQUESTS * TP * size
-        assert metric_value(text, P + "requests_total", route="/send", status="200") == (
-            REQUESTS * TP
-        )
-        assert metric_value(text, P + "backstop_expiries_total") == 0
+        assert metric_value(text, "registrations_total") == REQUESTS
+        assert metric_value(text, "deregistrations_total") == REQUESTS
+        assert metric_value(text, "transfer_bytes_total") == REQUESTS * TP * size
+        assert metric_value(text, "requests_total", route="/send", status="200") == (REQUESTS * TP)
+        assert metric_value(text, "backstop_expiries_total") == 0
         assert harness.encoder.runs == REQUESTS  # type: ignore[attr-defined]
 
 
@@ -86,7 +84,7 @@ async def test_a_rank_whose_answer_was_lost_gets_it_again_after_completion(
         again = await harness.client.send("lost", pools[0].session_id, slot.address)
         assert (first.repeat, again.repeat) == (False, True)
         assert again.checksum == first.checksum == encoded.checksum
-        assert metric_value(await harness.metrics(), P + "transfer_bytes_total") == size
+        assert metric_value(await harness.metrics(), "transfer_bytes_total") == size
         other = pools[1].allocate(size)
         with pytest.raises(RequestReleased):
             await harness.client.send("lost", pools[1].session_id, other.address)

@@ -10,7 +10,7 @@ import pytest
 import trio
 
 from support.engines import RankEngines
-from support.harness import P, landing_pools, serving
+from support.harness import landing_pools, serving
 from trio_encode.client import metric_value
 from trio_encode.server.loading import LoadingEncoder
 from trio_encode.server.metrics import Metrics, build_versions
@@ -118,14 +118,14 @@ async def test_metrics_time_each_route_and_scope_and_name_the_build(
         await harness.client.send("m", pools[0].session_id, pools[0].address)
         text = await harness.settled()
     count = "request_seconds_count"
-    assert metric_value(text, P + count, route="/encode") == 1
-    assert metric_value(text, P + count, route="/send") == 1
-    assert metric_value(text, P + "scope_seconds_count", reason="completed") == 1
-    assert metric_value(text, P + "encoder_queue_images") == 0
+    assert metric_value(text, count, route="/encode") == 1
+    assert metric_value(text, count, route="/send") == 1
+    assert metric_value(text, "scope_seconds_count", reason="completed") == 1
+    assert metric_value(text, "encoder_queue_images") == 0
     versions = build_versions()
     assert versions["mooncake"] != "none"
     assert versions["torch"] != "none"
-    assert metric_value(text, P + "build_info", **versions) == 1
+    assert metric_value(text, "build_info", **versions) == 1
     assert "process_cpu_seconds_total" in text
     assert "python_info" in text
     assert "python_gc_objects_collected_total" in text
@@ -139,4 +139,4 @@ def test_the_queue_depth_gauge_reads_the_encoder() -> None:
     metrics = Metrics()
     metrics.timed(Queued())
     text = metrics.render().decode()
-    assert metric_value(text, P + "encoder_queue_images") == 3
+    assert metric_value(text, "encoder_queue_images") == 3

@@ -16,7 +16,7 @@ import trio
 from PIL import Image
 
 from support.engines import TP, RankEngines
-from support.harness import P, landing_pools, serving
+from support.harness import landing_pools, serving
 from trio_encode.client import LandingSlot, metric_value
 from trio_encode.encoder import EncoderSettings, ImageEncoder, decode_image
 
@@ -81,8 +81,8 @@ async def test_tp4_ranks_with_the_real_encoder_every_byte_checked(
             for r in range(TP):
                 copy = landed[req_id, r].read(*expected.shape, "float32")
                 assert torch.equal(copy, expected), (req_id, r)
-        assert metric_value(text, P + "registrations_total") == len(requests)
-        assert metric_value(text, P + "engine_errors_total") == 0
+        assert metric_value(text, "registrations_total") == len(requests)
+        assert metric_value(text, "engine_errors_total") == 0
 
 
 async def test_cache_hit_across_requests_registers_the_shared_memory_once(
@@ -112,7 +112,7 @@ async def test_cache_hit_across_requests_registers_the_shared_memory_once(
         expected = direct(encoder, [uri])
         for slot in slots:
             assert torch.equal(slot.read(*expected.shape, "float32"), expected)
-        assert metric_value(text, P + "registrations_total") == 1
-        assert metric_value(text, P + "deregistrations_total") == 1
+        assert metric_value(text, "registrations_total") == 1
+        assert metric_value(text, "deregistrations_total") == 1
         assert encoder.cache is not None
         assert len(encoder.cache) == 1  # b was served from the cache: one image encoded

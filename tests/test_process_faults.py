@@ -38,7 +38,6 @@ SERVER_ARGS = [
     *("--hidden-size", str(TINY.hidden_size), "--max-batch-wait", "0"),
     *("--shutdown-grace", "2", "--torch-threads", "1"),
 ]
-P = "trio_encode_"
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +99,7 @@ class Deployment:
 
     async def metric(self, name: str, **labels: str) -> float:
         response = await self.http.get("/metrics")
-        return metric_value(response.text, P + name, **labels)
+        return metric_value(response.text, name, **labels)
 
     async def arena_registrations(self) -> float:
         """1 while the server's arena is registered (for its whole life), else 0."""

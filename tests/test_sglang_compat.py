@@ -25,7 +25,7 @@ import pytest
 import trio
 
 from support.engines import TP, RankEngines
-from support.harness import Harness, P, landing_pools, serving
+from support.harness import Harness, landing_pools, serving
 from trio_encode.client import LandingPool, metric_value
 from trio_encode.testing.stand_in_encoder import embedding_size, expected_embedding, image_uri
 
@@ -182,9 +182,9 @@ async def test_one_part_one_image_pulls_after_encode(rank_engines: RankEngines) 
             assert rank.landed == [expected_bytes([image])]
 
         text = await harness.settled()
-        assert metric_value(text, P + "transfer_bytes_total") == TP * embedding_size(1)
-        assert metric_value(text, P + "requests_total", route="/send", status="200") == TP
-        assert metric_value(text, P + "backstop_expiries_total") == 0
+        assert metric_value(text, "transfer_bytes_total") == TP * embedding_size(1)
+        assert metric_value(text, "requests_total", route="/send", status="200") == TP
+        assert metric_value(text, "backstop_expiries_total") == 0
 
 
 async def test_two_multi_image_parts_pulled_before_the_encode(rank_engines: RankEngines) -> None:
@@ -211,10 +211,10 @@ async def test_two_multi_image_parts_pulled_before_the_encode(rank_engines: Rank
             assert rank.landed == [expected_bytes(part0), expected_bytes(part1)]
 
         text = await harness.settled()
-        assert metric_value(text, P + "registrations_total") == 2
-        assert metric_value(text, P + "deregistrations_total") == 2
-        assert metric_value(text, P + "transfer_bytes_total") == TP * embedding_size(5)
-        assert metric_value(text, P + "backstop_expiries_total") == 0
+        assert metric_value(text, "registrations_total") == 2
+        assert metric_value(text, "deregistrations_total") == 2
+        assert metric_value(text, "transfer_bytes_total") == TP * embedding_size(5)
+        assert metric_value(text, "backstop_expiries_total") == 0
         assert len(harness.running.service.arrivals) == 0
 
 

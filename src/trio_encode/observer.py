@@ -6,6 +6,9 @@ from typing import Literal, Protocol
 
 RegistrationCall = Literal["register", "deregister"]
 
+METRIC_PREFIX = "trio_encode_"
+"""What the name of every metric the server exports begins with."""
+
 
 class LifecycleObserver(Protocol):
     """Receives every lifecycle event; the server's metrics implement it."""

@@ -34,7 +34,6 @@ TINY_ENCODER = EncoderSettings(
 """A small built-in ViT: 64 tokens of 1024 floats (256 KiB) per image, quick to load and run."""
 TINY_MODEL = tuple(serve_flags(ServerSettings.exactly(encoder=TINY_ENCODER)))
 """Its ``trio-encode serve`` flags."""
-P = "trio_encode_"
 
 
 def free_port() -> int:
@@ -112,7 +111,7 @@ class EncoderProcess:
 
     def metric(self, name: str, **labels: str) -> float:
         text = httpx.get(self.url + "/metrics", timeout=5).text
-        return metric_value(text, P + name, **labels)
+        return metric_value(text, name, **labels)
 
     def forwards(self) -> float:
         """Images this encoder ran through the model (the warm-up excluded)."""

@@ -18,8 +18,6 @@ from trio_encode.testing.stand_in_encoder import StandInEncoder
 
 from .engines import RankEngines
 
-P = "trio_encode_"
-
 
 @dataclass
 class Harness:
@@ -31,7 +29,7 @@ class Harness:
         return await self.client.metrics()
 
     async def value(self, name: str, **labels: str) -> float:
-        return metric_value(await self.metrics(), P + name, **labels)
+        return metric_value(await self.metrics(), name, **labels)
 
     async def settled(self, within: float = 5.0) -> str:
         """/metrics once no scope and no registration but the arena's is live (the last
@@ -42,8 +40,8 @@ class Harness:
             while True:
                 text = await self.metrics()
                 if (
-                    metric_value(text, P + "live_scopes") == 0
-                    and metric_value(text, P + "live_registrations") == arena
+                    metric_value(text, "live_scopes") == 0
+                    and metric_value(text, "live_registrations") == arena
                 ):
                     return text
                 await trio.sleep(0.02)

@@ -18,6 +18,7 @@ import httpx
 from trio_encode.client.transport import KeepAliveTransport
 from trio_encode.engine.base import EngineCall
 from trio_encode.errors import EngineFailed, RequestError, error_class
+from trio_encode.observer import METRIC_PREFIX
 
 TransferFailed = EngineFailed
 """The name earlier versions of this client gave to :class:`EngineFailed`."""
@@ -216,9 +217,12 @@ def error_of(
 
 def metric_value(text: str, name: str, **labels: str) -> float:
     """The value of sample ``name`` (with exactly these ``labels``) in Prometheus text; 0 when
-    absent, as a counter that was never incremented is."""
+    absent, as a counter that was never incremented is. ``name`` may leave out the prefix of
+    the server's metrics (``"live_scopes"`` is ``"trio_encode_live_scopes"``)."""
     from prometheus_client.parser import text_string_to_metric_families
 
+    if not name.startswith(METRIC_PREFIX):
+        name = METRIC_PREFIX + name
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == name and sample.labels == labels:

@@ -30,14 +30,13 @@ from prometheus_client import (
     generate_latest,
 )
 
-from trio_encode.observer import RegistrationCall
+from trio_encode.observer import METRIC_PREFIX, RegistrationCall
 
 if TYPE_CHECKING:
     from trio_encode.arena import Arena
     from trio_encode.request_types import EmbeddingMemory
     from trio_encode.service import Encoder, EncodeService
 
-PREFIX = "trio_encode_"
 
 # Encoder runs take tens of ms to seconds; transfers of MB-scale embeddings, ms; an HTTP answer
 # from a fraction of a ms (probes) to a whole request's life (a /send waiting for its encode);
@@ -96,28 +95,31 @@ class Metrics:
         ProcessCollector(registry=r)
         GCCollector(registry=r)
         PlatformCollector(registry=r)
-        Info(PREFIX + "build", "Versions of this server and its engines.", registry=r).info(
+        Info(METRIC_PREFIX + "build", "Versions of this server and its engines.", registry=r).info(
             build_versions()
         )
         self.requests = Counter(
-            PREFIX + "requests_total", "Answered HTTP requests.", ["route", "status"], registry=r
+            METRIC_PREFIX + "requests_total",
+            "Answered HTTP requests.",
+            ["route", "status"],
+            registry=r,
         )
         self.request_seconds = Histogram(
-            PREFIX + "request_seconds",
+            METRIC_PREFIX + "request_seconds",
             "Time from a request's arrival to its answer, by route.",
             ["route"],
             buckets=_REQUEST_BUCKETS,
             registry=r,
         )
         self.scope_seconds = Histogram(
-            PREFIX + "scope_seconds",
+            METRIC_PREFIX + "scope_seconds",
             "A request scope's life, from its first /encode to its release, by how it ended.",
             ["reason"],
             buckets=_SCOPE_BUCKETS,
             registry=r,
         )
         self.encoder_queue = Gauge(
-            PREFIX + "encoder_queue_images",
+            METRIC_PREFIX + "encoder_queue_images",
             "Images waiting for a forward pass now.",
             registry=r,
         )
@@ -126,83 +128,88 @@ class Metrics:
             lambda: self._queue_depth.queued_images if self._queue_depth is not None else 0
         )
         self.encode_seconds = Histogram(
-            PREFIX + "encode_seconds", "One encoder run.", buckets=_ENCODE_BUCKETS, registry=r
+            METRIC_PREFIX + "encode_seconds",
+            "One encoder run.",
+            buckets=_ENCODE_BUCKETS,
+            registry=r,
         )
         self.transfer_seconds = Histogram(
-            PREFIX + "transfer_seconds",
+            METRIC_PREFIX + "transfer_seconds",
             "One transfer into a receiver.",
             buckets=_TRANSFER_BUCKETS,
             registry=r,
         )
         self.transfer_bytes = Counter(
-            PREFIX + "transfer_bytes", "Bytes written into receivers.", registry=r
+            METRIC_PREFIX + "transfer_bytes", "Bytes written into receivers.", registry=r
         )
-        self.live_scopes = Gauge(PREFIX + "live_scopes", "Request scopes alive now.", registry=r)
+        self.live_scopes = Gauge(
+            METRIC_PREFIX + "live_scopes", "Request scopes alive now.", registry=r
+        )
         self.live_registrations = Gauge(
-            PREFIX + "live_registrations", "Memory registrations held now.", registry=r
+            METRIC_PREFIX + "live_registrations", "Memory registrations held now.", registry=r
         )
         self.registrations = Counter(
-            PREFIX + "registrations", "Memory registrations made.", registry=r
+            METRIC_PREFIX + "registrations", "Memory registrations made.", registry=r
         )
         self.quarantined_registrations = Gauge(
-            PREFIX + "quarantined_registrations",
+            METRIC_PREFIX + "quarantined_registrations",
             "Registrations whose deregistration failed; their memory is kept and the "
             "deregistration retried.",
             registry=r,
         )
         self.quarantined_bytes = Gauge(
-            PREFIX + "quarantined_bytes",
+            METRIC_PREFIX + "quarantined_bytes",
             "Bytes kept alive by quarantined registrations.",
             registry=r,
         )
         self.deregistrations = Counter(
-            PREFIX + "deregistrations", "Memory registrations released.", registry=r
+            METRIC_PREFIX + "deregistrations", "Memory registrations released.", registry=r
         )
         self.register_seconds = Histogram(
-            PREFIX + "register_seconds",
+            METRIC_PREFIX + "register_seconds",
             "One memory registration (pinning, on RDMA).",
             buckets=_REGISTER_BUCKETS,
             registry=r,
         )
         self.deregister_seconds = Histogram(
-            PREFIX + "deregister_seconds",
+            METRIC_PREFIX + "deregister_seconds",
             "One memory deregistration.",
             buckets=_REGISTER_BUCKETS,
             registry=r,
         )
         self.arena_bytes = Gauge(
-            PREFIX + "arena_bytes", "Size of the registered arena (0: none).", registry=r
+            METRIC_PREFIX + "arena_bytes", "Size of the registered arena (0: none).", registry=r
         )
         self.arena_leased_bytes = Gauge(
-            PREFIX + "arena_leased_bytes",
+            METRIC_PREFIX + "arena_leased_bytes",
             "Arena bytes held by requests and forwards now.",
             registry=r,
         )
         self.arena_cached_bytes = Gauge(
-            PREFIX + "arena_cached_bytes",
+            METRIC_PREFIX + "arena_cached_bytes",
             "Arena bytes kept as the embedding cache (leased or not).",
             registry=r,
         )
         self.arena_fallbacks = Gauge(
-            PREFIX + "arena_fallbacks",
+            METRIC_PREFIX + "arena_fallbacks",
             "Requests whose embedding did not fit in the arena and was registered on its own "
             "(a count since start).",
             registry=r,
         )
         self.backstop_expiries = Counter(
-            PREFIX + "backstop_expiries", "Scopes ended by their deadline.", registry=r
+            METRIC_PREFIX + "backstop_expiries", "Scopes ended by their deadline.", registry=r
         )
         self.scopes_split = Counter(
-            PREFIX + "scopes_split",
+            METRIC_PREFIX + "scopes_split",
             "Scopes ended by their deadline after serving some but not all receivers: a "
             "request split across encoders (or ranks that never sent).",
             registry=r,
         )
         self.scopes_closed = Counter(
-            PREFIX + "scopes_closed", "Scopes ended, by reason.", ["reason"], registry=r
+            METRIC_PREFIX + "scopes_closed", "Scopes ended, by reason.", ["reason"], registry=r
         )
         self.engine_errors = Counter(
-            PREFIX + "engine_errors",
+            METRIC_PREFIX + "engine_errors",
             "Transfer-engine calls that returned an error.",
             ["call", "code"],
             registry=r,
@@ -214,57 +221,59 @@ class Metrics:
         self.live_registrations.set_function(lambda: self._held_registrations)
         # The encoder's own events (EncoderObserver).
         self.batch_size = Histogram(
-            PREFIX + "encoder_batch_size",
+            METRIC_PREFIX + "encoder_batch_size",
             "Images per forward pass.",
             buckets=(1, 2, 4, 8, 16, 32, 64),
             registry=r,
         )
         self.forward_seconds = Histogram(
-            PREFIX + "encoder_forward_seconds",
+            METRIC_PREFIX + "encoder_forward_seconds",
             "One forward pass over a batch.",
             buckets=_ENCODE_BUCKETS,
             registry=r,
         )
         self.forward_failures = Counter(
-            PREFIX + "encoder_forward_failures", "Forward passes that raised.", registry=r
+            METRIC_PREFIX + "encoder_forward_failures", "Forward passes that raised.", registry=r
         )
         self.queue_wait_seconds = Histogram(
-            PREFIX + "encoder_queue_wait_seconds",
+            METRIC_PREFIX + "encoder_queue_wait_seconds",
             "Time an image waited for its forward pass.",
             buckets=_ENCODE_BUCKETS,
             registry=r,
         )
-        self.cache_hits = Counter(PREFIX + "encoder_cache_hits", "Cached images.", registry=r)
+        self.cache_hits = Counter(
+            METRIC_PREFIX + "encoder_cache_hits", "Cached images.", registry=r
+        )
         self.cache_misses = Counter(
-            PREFIX + "encoder_cache_misses", "Images not in the cache.", registry=r
+            METRIC_PREFIX + "encoder_cache_misses", "Images not in the cache.", registry=r
         )
         self.cache_bytes = Gauge(
-            PREFIX + "encoder_cache_bytes", "Bytes of embeddings cached.", registry=r
+            METRIC_PREFIX + "encoder_cache_bytes", "Bytes of embeddings cached.", registry=r
         )
         self.cache_entries = Gauge(
-            PREFIX + "encoder_cache_entries", "Embeddings cached.", registry=r
+            METRIC_PREFIX + "encoder_cache_entries", "Embeddings cached.", registry=r
         )
         self.encoder_rejected = Counter(
-            PREFIX + "encoder_rejected_images",
+            METRIC_PREFIX + "encoder_rejected_images",
             "Images refused because the queue was full.",
             registry=r,
         )
 
         # The cluster-wide store's events (StoreObserver).
         self.store_up = Gauge(
-            PREFIX + "store_connected",
+            METRIC_PREFIX + "store_connected",
             "1 while connected to the Mooncake Store master, else 0.",
             registry=r,
         )
         self.store_lookups = Counter(
-            PREFIX + "store_lookups",
+            METRIC_PREFIX + "store_lookups",
             "Images looked up in the cluster-wide store, by result (hit, miss, error, timeout, "
             "unavailable); all but hit run the forward locally.",
             ["result"],
             registry=r,
         )
         self.store_puts = Counter(
-            PREFIX + "store_puts",
+            METRIC_PREFIX + "store_puts",
             "Embeddings offered to the cluster-wide store, by result (stored, failed, timeout, "
             "dropped).",
             ["result"],

@@ -47,8 +47,6 @@ from trio_encode.server.metrics import Metrics
 from trio_encode.server.serve import open_server
 from trio_encode.settings import LogLevel, ServerSettings
 
-P = "trio_encode_"
-
 
 @settings_dataclass(frozen=True, config=ConfigDict(extra="forbid"))
 class DemoSettings:
@@ -234,11 +232,11 @@ async def _run(settings: ServerSettings, config: DemoSettings, steps: _Steps) ->
         with steps.step("waiting for every scope to release its registration"):
             outcome.arena = encoder.arena is not None
             text = await _settled(client, arena=int(outcome.arena))
-        outcome.registrations = metric_value(text, P + "registrations_total")
-        outcome.deregistrations = metric_value(text, P + "deregistrations_total")
-        outcome.live_registrations = metric_value(text, P + "live_registrations") - outcome.arena
-        outcome.fallbacks = metric_value(text, P + "arena_fallbacks")
-        outcome.bytes_moved = int(metric_value(text, P + "transfer_bytes_total"))
+        outcome.registrations = metric_value(text, "registrations_total")
+        outcome.deregistrations = metric_value(text, "deregistrations_total")
+        outcome.live_registrations = metric_value(text, "live_registrations") - outcome.arena
+        outcome.fallbacks = metric_value(text, "arena_fallbacks")
+        outcome.bytes_moved = int(metric_value(text, "transfer_bytes_total"))
         # The rest runs as the stack unwinds: the client's connections close, each rank
         # deregisters its pool, and the server stops.
         teardown = steps.begin("stopping the server and closing the landing pools")
@@ -302,10 +300,7 @@ async def _settled(client: EncodeClient, *, arena: int) -> str:
     after 5 s, to report what is still held)."""
     text = await client.metrics()
     with trio.move_on_after(5):
-        while (
-            metric_value(text, P + "live_scopes")
-            or metric_value(text, P + "live_registrations") > arena
-        ):
+        while metric_value(text, "live_scopes") or metric_value(text, "live_registrations") > arena:
             await trio.sleep(0.02)
             text = await client.metrics()
     return text

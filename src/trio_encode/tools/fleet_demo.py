@@ -50,7 +50,6 @@ from trio_encode.errors import RequestError
 from trio_encode.settings import ServerSettings, child_environment, serve_flags, server_settings
 from trio_encode.tools.demo import demo_image
 
-P = "trio_encode_"
 _SLOT_BYTES = 16 << 20  # room for one request's embedding per concurrent request and rank
 _STORE_SEGMENT_BYTES = 256 << 20  # each encoder's share of the store
 
@@ -301,7 +300,7 @@ async def _run_cluster(config: FleetDemoConfig, outcome: FleetOutcome) -> None:
                 if not config.store:
                     return True
                 text = (await http.get(url + "/metrics")).text
-                return metric_value(text, P + "store_connected") == 1
+                return metric_value(text, "store_connected") == 1
 
             await _until(f"encoder {url}", 120, process, ready)
 
@@ -403,11 +402,11 @@ async def _workload(
 
 async def _read_counts(http: httpx.AsyncClient, row: EncoderRow) -> None:
     text = (await http.get(row.url + "/metrics")).text
-    row.forwards = metric_value(text, P + "encoder_batch_size_sum")
-    row.local_hits = metric_value(text, P + "encoder_cache_hits_total")
-    row.store_hits = metric_value(text, P + "store_lookups_total", result="hit")
-    row.store_misses = metric_value(text, P + "store_lookups_total", result="miss")
+    row.forwards = metric_value(text, "encoder_batch_size_sum")
+    row.local_hits = metric_value(text, "encoder_cache_hits_total")
+    row.store_hits = metric_value(text, "store_lookups_total", result="hit")
+    row.store_misses = metric_value(text, "store_lookups_total", result="miss")
     row.store_failures = sum(
-        metric_value(text, P + "store_lookups_total", result=result)
+        metric_value(text, "store_lookups_total", result=result)
         for result in ("error", "timeout", "unavailable")
     )

@@ -82,7 +82,7 @@ class _Served:
     arena: bool
 
     async def value(self, name: str) -> float:
-        return metric_value(await self.client.metrics(), "trio_encode_" + name)
+        return metric_value(await self.client.metrics(), name)
 
 
 @asynccontextmanager
@@ -307,8 +307,8 @@ async def _encoder_rows(
                 )
             text = await client.metrics()
             left = (
-                int(metric_value(text, "trio_encode_live_registrations")) - (arena is not None),
-                int(metric_value(text, "trio_encode_live_scopes")),
+                int(metric_value(text, "live_registrations")) - (arena is not None),
+                int(metric_value(text, "live_scopes")),
             )
     batches = [batch for served in rounds for batch in served.batches]
     row = EncoderRow(

@@ -54,7 +54,6 @@ from trio_encode.tools.soak.drill import Call, Rank, Workload, post
 from trio_encode.tools.soak.receiver import ReceiverGone, ReceiverProcess, open_receiver
 from trio_encode.tools.soak.server import ServerProcess, open_server_process
 
-P = "trio_encode_"
 ALLOWED = {"/encode": {200, 410, 503, 504}, "/send": {200, 410, 502, 503, 504}}
 """What the contract lets each route answer in a soak (no bad input is sent, so no 400, and
 no /send is made without its rank's /encode, so no 404). A 502 must name code -1."""
@@ -620,10 +619,10 @@ async def _drain(soak: _Soak, http: httpx.AsyncClient) -> tuple[float, float, st
     with trio.move_on_after(soak.config.deadline_bound + 10):
         while True:
             text = (await http.get("/metrics")).text
-            arena = 1 if metric_value(text, P + "arena_bytes") else 0
+            arena = 1 if metric_value(text, "arena_bytes") else 0
             left = (
-                metric_value(text, P + "live_scopes"),
-                metric_value(text, P + "live_registrations") - arena,
+                metric_value(text, "live_scopes"),
+                metric_value(text, "live_registrations") - arena,
             )
             if not any(left):
                 break
@@ -696,7 +695,7 @@ def _result(soak: _Soak, drained: tuple[float, float, str]) -> SoakResult:
     engine_errors = {}
     for call_name in ("register", "transfer", "deregister"):
         for code in ("-1", "-3", "-7"):
-            value = metric_value(text, P + "engine_errors_total", call=call_name, code=code)
+            value = metric_value(text, "engine_errors_total", call=call_name, code=code)
             if value:
                 engine_errors[f"{call_name} {code}"] = value
     return SoakResult(
@@ -706,7 +705,7 @@ def _result(soak: _Soak, drained: tuple[float, float, str]) -> SoakResult:
         counts=soak.counts,
         checked_bytes=soak.checked_bytes,
         engine_errors=engine_errors,
-        backstop_expiries=metric_value(text, P + "backstop_expiries_total"),
+        backstop_expiries=metric_value(text, "backstop_expiries_total"),
         left_scopes=left_scopes,
         left_registrations=left_registrations,
         rss_after_warmup=level,
