@@ -152,8 +152,7 @@ class Arena:
             self._trim_cache()
         else:
             self._give_back(segment)
-        self._released.set()
-        self._released = trio.Event()
+        self._wake()  # an idle cached segment is room too: a waiter may evict it
 
     def keep(self, segment: Segment, key: Hashable) -> Segment:
         """Keep ``segment`` under ``key`` after its leases end (the cache). If another segment
@@ -183,7 +182,14 @@ class Arena:
                 return offset
         return None
 
+    def _wake(self) -> None:
+        """Wake every :meth:`allocate_by` waiter to try again."""
+        self._released.set()
+        self._released = trio.Event()
+
     def _give_back(self, segment: Segment) -> None:
+        """Return a segment's bytes to the free list, and wake the waiters: whatever freed
+        them (a release, an eviction by :meth:`keep` or :meth:`allocate`), there is room."""
         segment.freed = True
         size = _reserved(segment.nbytes)
         index = bisect.bisect(self._free, (segment.offset, size))
@@ -195,6 +201,7 @@ class Arena:
             else:
                 merged.append((start, length))
         self._free = merged
+        self._wake()
 
     def _evict_one(self) -> bool:
         """Free the least recently used cached segment that nobody leases; False if none."""

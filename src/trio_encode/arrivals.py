@@ -51,14 +51,14 @@ class Arrivals:
             if entry.waiters == 0 and self._waiting.get(key) is entry:
                 del self._waiting[key]
         if entry.error is not None:
-            raise entry.error
+            raise entry.error.fresh()  # each waiter its own: see RequestError.fresh
 
     def announce(self, key: str, *, error: RequestError | None = None) -> None:
         """Wake everyone waiting for ``key`` (to raise ``error``, when given, as the reason
         no scope will come); a no-op when nobody is."""
         entry = self._waiting.pop(key, None)
         if entry is not None:
-            entry.error = error
+            entry.error = None if error is None else error.fresh()  # not the raiser's frames
             entry.event.set()
 
     def announce_all(self) -> None:

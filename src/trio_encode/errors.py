@@ -9,6 +9,9 @@ try again (``retry_after``). Transfer-engine failures are raised inside the pack
 
 from __future__ import annotations
 
+import copy
+from typing import Self
+
 from trio_encode.engine.base import EngineCall, EngineError, engine_code_meaning
 
 
@@ -26,6 +29,13 @@ class RequestError(Exception):
         super().__init__(message)
         self.message = message
         self.req_id = req_id
+
+    def fresh(self) -> Self:
+        """The same error (class, message and facts) as a new exception, with no traceback
+        and nothing chained: one for each caller to raise. Raising one object in several
+        tasks collects all their tracebacks on it, and the frames of the first raise (an
+        ``/encode`` with its images) stay alive as long as any of them keeps it."""
+        return copy.copy(self)
 
 
 class InternalError(RequestError):

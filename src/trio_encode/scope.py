@@ -107,7 +107,8 @@ class RequestScope:
         self.deadline = deadline
         self.shape: EmbeddingShape | None = None
         self.end_reason: EndReason | None = None
-        self._encode = encode
+        self._encode: Encode | None = encode
+        """Dropped once the encode ran: it holds the request's image bytes."""
         self._engine = engine
         self._ledger = ledger
         self._observer = observer
@@ -175,7 +176,14 @@ class RequestScope:
         self._backstop.cancel()
 
     async def wait_encoded(self) -> EmbeddingShape:
-        """Wait for the one encoder run; every sibling gets the same answer or error."""
+        """Wait for the one encoder run; every sibling gets the same answer or error.
+
+        A call arriving once the scope is ending (complete and releasing, expired, shut down)
+        gets the answer its tombstone will give, not the shape of a request it can no longer
+        join: a 200 to an ``/encode`` whose sends can only be refused would mislead its rank.
+        """
+        if self.end_reason is not None or self._backstop.cancel_called:
+            raise self._why_not_served()
         await self._encoded.wait()
         if self.shape is not None:
             return self.shape
@@ -280,8 +288,10 @@ class RequestScope:
             self._ended.set()
 
     async def _run_encode(self) -> None:
+        encode, self._encode = self._encode, None
+        assert encode is not None  # runs once per scope
         try:
-            embedding = await self._encode()
+            embedding = await encode()
             shape = EmbeddingShape(
                 embedding.rows,
                 embedding.dim,
