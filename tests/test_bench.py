@@ -18,7 +18,7 @@ from PIL import Image
 
 from trio_encode.cli import cli
 from trio_encode.encoder import EncoderSettings
-from trio_encode.tools.bench.load import natural_jpegs
+from trio_encode.testing.images import natural_jpegs
 from trio_encode.tools.bench.results import BenchResult
 from trio_encode.tools.bench.run import run_bench
 from trio_encode.tools.bench.settings import BenchConfig

@@ -16,7 +16,8 @@ from trio_encode.client import EncodeResult, LandingPool
 from trio_encode.client.fleet import EncoderList, FleetClient, NoEncoderAvailable
 from trio_encode.client.health import HealthTracker
 from trio_encode.client.ranking import content_digest, rank
-from trio_encode.testing.stand_in_encoder import embedding_size, expected_embedding, image_uri
+from trio_encode.testing.images import image_uri
+from trio_encode.testing.stand_in_encoder import embedding_size, expected_embedding
 
 DEAD = "http://127.0.0.1:1"  # nothing listens on port 1
 

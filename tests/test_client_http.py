@@ -15,7 +15,8 @@ from trio_encode.errors import (
     Unauthorized,
     UnknownRequest,
 )
-from trio_encode.testing.stand_in_encoder import embedding_size, image_uri
+from trio_encode.testing.images import image_uri
+from trio_encode.testing.stand_in_encoder import embedding_size
 
 ITEM = image_uri(b"client image")
 

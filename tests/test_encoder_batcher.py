@@ -6,7 +6,6 @@ inline after a virtual-time sleep, so no real thread meets the mock clock.
 
 from __future__ import annotations
 
-import io
 import itertools
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -17,11 +16,11 @@ import pytest
 import torch
 import trio
 import trio.testing
-from PIL import Image
 
 from trio_encode.embedding import Embedding
 from trio_encode.encoder import EncoderSettings, ImageEncoder, Preprocess
 from trio_encode.errors import EncodeFailed, InvalidInput, NotReady, Overloaded, ShuttingDown
+from trio_encode.testing.images import solid_image
 
 T = TypeVar("T")
 FORWARD_SECONDS = 1.0
@@ -99,9 +98,8 @@ class SlowForward:
 
 
 def image(red: int) -> bytes:
-    buffer = io.BytesIO()
-    Image.new("RGB", (4, 4), (red, 7, 9)).save(buffer, format="PNG")
-    return buffer.getvalue()
+    """A tiny image whose red value the fake backend's embedding shows."""
+    return solid_image(4, 4, (red, 7, 9))
 
 
 def reds(embedding: Embedding) -> list[int]:

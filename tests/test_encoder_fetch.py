@@ -4,7 +4,6 @@ a test says so)."""
 
 from __future__ import annotations
 
-import io
 import ipaddress
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -14,25 +13,18 @@ from functools import partial
 import pytest
 import torch
 import trio
-from PIL import Image
 
 from test_encoder_batcher import FakeBackend, inline
 from trio_encode.encoder import ImageEncoder
 from trio_encode.encoder.fetch import FetchPolicy, RemoteFetcher, is_remote
 from trio_encode.encoder.settings import EncoderSettings
 from trio_encode.errors import InvalidInput
-from trio_encode.testing.stand_in_encoder import image_uri
+from trio_encode.testing.images import image_uri, solid_image
 
 LOOPBACK = (ipaddress.ip_network("127.0.0.0/8"),)
 
 
-def png(width: int, height: int, colour: tuple[int, int, int] = (10, 20, 30)) -> bytes:
-    out = io.BytesIO()
-    Image.new("RGB", (width, height), colour).save(out, format="PNG")
-    return out.getvalue()
-
-
-PNG = png(8, 8)
+PNG = solid_image(8, 8)
 
 Handler = Callable[[trio.SocketStream], Awaitable[None]]
 
@@ -194,7 +186,7 @@ async def test_an_error_status_is_refused_with_the_status() -> None:
 async def test_the_encoder_fetches_urls_in_order_and_decodes_them_under_the_same_limits() -> None:
     """A request mixing a URL and an inline image; then a fetched image too large in pixels
     is refused by the decoder exactly as an inline one would be."""
-    red, blue = png(8, 8, (255, 0, 0)), png(8, 8, (0, 0, 255))
+    red, blue = solid_image(8, 8, (255, 0, 0)), solid_image(8, 8, (0, 0, 255))
     settings = EncoderSettings(
         warmup=False,
         cache_bytes=0,
@@ -204,7 +196,7 @@ async def test_the_encoder_fetches_urls_in_order_and_decodes_them_under_the_same
     )
     async with web_server() as web:
         web.routes["/red.png"] = (200, {}, red)
-        web.routes["/huge.png"] = (200, {}, png(20, 20))
+        web.routes["/huge.png"] = (200, {}, solid_image(20, 20))
         encoder = ImageEncoder(FakeBackend(), settings, run_decode=inline, run_forward=inline)
         async with trio.open_nursery() as nursery:
             await nursery.start(encoder.run)

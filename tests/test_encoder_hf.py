@@ -18,6 +18,7 @@ import trio
 from PIL import Image
 
 from trio_encode.encoder import EncoderSettings, ImageEncoder, load_backend
+from trio_encode.testing.images import noise_png
 
 
 def tiny_tower(kind: str, directory: Path) -> Any:
@@ -39,14 +40,6 @@ def tiny_tower(kind: str, directory: Path) -> Any:
     return model.eval()
 
 
-def png(seed: int) -> bytes:
-    generator = torch.Generator().manual_seed(seed)
-    array = torch.randint(0, 256, (32, 32, 3), generator=generator, dtype=torch.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(array.numpy()).save(buffer, format="PNG")
-    return buffer.getvalue()
-
-
 @pytest.mark.parametrize(("kind", "tokens"), [("clip", 16), ("siglip", 16)])
 def test_tiny_tower_loads_and_matches_transformers(kind: str, tokens: int, tmp_path: Path) -> None:
     reference = tiny_tower(kind, tmp_path)
@@ -61,16 +54,6 @@ def test_tiny_tower_loads_and_matches_transformers(kind: str, tokens: int, tmp_p
     if kind == "clip":
         expected = expected[:, 1:, :]  # the CLS token is not an image token
     assert torch.allclose(out, expected, atol=1e-5)
-
-
-def photo(seed: int, size: tuple[int, int] = (70, 50)) -> bytes:
-    """A non-square PNG, so resizing, cropping and resampling all matter."""
-    generator = torch.Generator().manual_seed(seed)
-    width, height = size
-    array = torch.randint(0, 256, (height, width, 3), generator=generator, dtype=torch.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(array.numpy()).save(buffer, format="PNG")
-    return buffer.getvalue()
 
 
 def save_processor(kind: str, directory: Path) -> Any:
@@ -109,7 +92,7 @@ async def _encode(settings: EncoderSettings, images: list[bytes]) -> torch.Tenso
 async def test_embeddings_match_transformers_own_pipeline(kind: str, tmp_path: Path) -> None:
     model = tiny_tower(kind, tmp_path)
     processor = save_processor(kind, tmp_path)
-    images = [photo(1), photo(2, (33, 90))]
+    images = [noise_png(1, 70, 50), noise_png(2, 33, 90)]  # resizing, cropping, resampling
 
     ours = await _encode(EncoderSettings(hf_model_dir=tmp_path, max_batch_wait=0.0), images)
 
@@ -132,8 +115,10 @@ def test_a_model_saved_without_its_processor_gets_the_defaults_at_its_size(
     assert prepare is not None
     expected = transformers.CLIPImageProcessor(
         size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}
-    )(images=Image.open(io.BytesIO(photo(3))), return_tensors="pt")["pixel_values"][0]
-    assert torch.equal(prepare(Image.open(io.BytesIO(photo(3))).convert("RGB")), expected)
+    )(images=Image.open(io.BytesIO(noise_png(3, 70, 50))), return_tensors="pt")["pixel_values"][0]
+    assert torch.equal(
+        prepare(Image.open(io.BytesIO(noise_png(3, 70, 50))).convert("RGB")), expected
+    )
 
 
 def test_a_processor_whose_output_the_model_cannot_take_is_refused(tmp_path: Path) -> None:
@@ -168,7 +153,7 @@ async def test_image_encoder_serves_an_hf_tower(tmp_path: Path) -> None:
     encoder = ImageEncoder.from_settings(EncoderSettings(hf_model_dir=tmp_path, max_batch_wait=0.0))
     async with trio.open_nursery() as nursery:
         await nursery.start(encoder.run)
-        embedding = await encoder.encode([png(1), png(2)])
+        embedding = await encoder.encode([noise_png(1), noise_png(2)])
         nursery.cancel_scope.cancel()
     assert (embedding.rows, embedding.dim, embedding.dtype) == (32, 32, "float32")
     assert encoder.info.model_id.startswith("hf(")

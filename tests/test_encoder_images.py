@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 import io
 import struct
 import zlib
@@ -14,19 +13,14 @@ from PIL import Image
 
 from trio_encode.encoder.images import Preprocess, decode_image, load_item
 from trio_encode.errors import InvalidInput
+from trio_encode.testing.images import image_uri, solid_image
 
 MAX_BYTES = 1 << 20
 PRE = Preprocess(image_size=16)
 
 
-def encoded(size: tuple[int, int] = (20, 12), fmt: str = "PNG", color: int = 90) -> bytes:
-    buffer = io.BytesIO()
-    Image.new("RGB", size, (color, 2 * color % 256, 255 - color)).save(buffer, format=fmt)
-    return buffer.getvalue()
-
-
-def data_uri(data: bytes, media_type: str = "image/png") -> str:
-    return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
+def encoded(size: tuple[int, int] = (20, 12), fmt: str = "PNG") -> bytes:
+    return solid_image(*size, (90, 180, 165), fmt)
 
 
 def png_declaring(width: int, height: int) -> bytes:
@@ -48,7 +42,7 @@ def png_declaring(width: int, height: int) -> bytes:
 
 def test_png_and_jpeg_data_uris_decode_to_normalised_pixels() -> None:
     for fmt, media_type in (("PNG", "image/png"), ("JPEG", "image/jpeg")):
-        data = load_item(data_uri(encoded(fmt=fmt), media_type), max_bytes=MAX_BYTES)
+        data = load_item(image_uri(encoded(fmt=fmt), media_type), max_bytes=MAX_BYTES)
         pixels = decode_image(data, PRE, max_pixels=10_000)
         assert pixels.shape == (3, 16, 16)
         assert pixels.dtype == torch.float32
@@ -120,7 +114,7 @@ def test_a_tiff_disguised_as_png_is_refused() -> None:
     """Only the decoders of the supported formats ever run, whatever the URI claims."""
     buffer = io.BytesIO()
     Image.new("RGB", (4, 4)).save(buffer, format="TIFF")
-    data = load_item(data_uri(buffer.getvalue()), max_bytes=MAX_BYTES)
+    data = load_item(image_uri(buffer.getvalue()), max_bytes=MAX_BYTES)
     with pytest.raises(InvalidInput, match="not a PNG, JPEG, WebP, GIF or BMP image"):
         decode_image(data, PRE, max_pixels=10_000)
 
@@ -134,7 +128,7 @@ def test_webp_gif_and_bmp_decode_like_png(fmt: str, media_type: str) -> None:
     image.paste((255, 255, 255), (0, 0, 10, 12))
     buffer = io.BytesIO()
     image.save(buffer, format=fmt, **({"lossless": True} if fmt == "WEBP" else {}))
-    data = load_item(data_uri(buffer.getvalue(), media_type), max_bytes=MAX_BYTES)
+    data = load_item(image_uri(buffer.getvalue(), media_type), max_bytes=MAX_BYTES)
     assert torch.equal(
         decode_image(data, PRE, max_pixels=10_000),
         decode_image(_untagged(image), PRE, max_pixels=10_000),
@@ -156,7 +150,7 @@ def test_an_animation_contributes_its_first_frame(fmt: str) -> None:
 def test_too_many_bytes_is_refused_before_decoding() -> None:
     data = encoded((64, 64))
     with pytest.raises(InvalidInput, match="limit is 100 bytes"):
-        load_item(data_uri(data), max_bytes=100)
+        load_item(image_uri(data), max_bytes=100)
 
 
 def test_pixel_limit_is_checked_from_the_header() -> None:
@@ -169,7 +163,7 @@ def test_decompression_bomb_is_invalid_input_not_an_allocation() -> None:
     # 100k x 100k x 3 bytes would be 30 GB; the file is under 100 bytes.
     bomb = png_declaring(100_000, 100_000)
     assert len(bomb) < 100
-    data = load_item(data_uri(bomb), max_bytes=MAX_BYTES)
+    data = load_item(image_uri(bomb), max_bytes=MAX_BYTES)
     with pytest.raises(InvalidInput, match="pixels"):
         decode_image(data, PRE, max_pixels=40_000_000)
     # Even past Pillow's own bomb limit, with our limit set higher.

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import io
 from dataclasses import replace
 
 import torch
 import trio
-from PIL import Image
 
 from trio_encode.embedding import Embedding
 from trio_encode.encoder import EncoderSettings, ImageEncoder, Preprocess, load_backend
+from trio_encode.testing.images import noise_png
 
 TINY = EncoderSettings(
     image_size=32,
@@ -42,14 +41,6 @@ class Counting:
         return self.inner.forward(pixels)
 
 
-def image(seed: int) -> bytes:
-    generator = torch.Generator().manual_seed(seed)
-    array = torch.randint(0, 256, (40, 48, 3), generator=generator, dtype=torch.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(array.numpy()).save(buffer, format="PNG")
-    return buffer.getvalue()
-
-
 async def encode_together(encoder: ImageEncoder, requests: list[list[bytes]]) -> list[Embedding]:
     results: list[Embedding | None] = [None] * len(requests)
 
@@ -68,22 +59,22 @@ async def encode_together(encoder: ImageEncoder, requests: list[list[bytes]]) ->
 async def test_concurrent_requests_fuse_into_one_forward() -> None:
     backend = Counting(TINY)
     encoder = ImageEncoder(backend, TINY)
-    results = await encode_together(encoder, [[image(i)] for i in range(4)])
+    results = await encode_together(encoder, [[noise_png(i)] for i in range(4)])
     assert backend.batches == [1, 4]  # the warm-up, then one batch for all four
     assert all((e.rows, e.dim) == (16, 64) for e in results)
 
 
 async def test_same_image_same_bytes_in_any_batch_position_size_and_encoder() -> None:
-    target = image(99)
+    target = noise_png(99)
     alone = await encode_together(ImageEncoder(Counting(TINY), TINY), [[target]])
     for position in (0, 2):
-        others = [[image(i)] for i in range(3)]
+        others = [[noise_png(i)] for i in range(3)]
         others.insert(position, [target])
         backend = Counting(TINY)
         fused = await encode_together(ImageEncoder(backend, TINY), others)
         assert backend.batches == [1, 4]
         assert torch.equal(fused[position].tensor, alone[0].tensor)
-    pair = await encode_together(ImageEncoder(Counting(TINY), TINY), [[image(5), target]])
+    pair = await encode_together(ImageEncoder(Counting(TINY), TINY), [[noise_png(5), target]])
     assert torch.equal(pair[0].tensor[16:], alone[0].tensor)
 
 
@@ -93,8 +84,8 @@ async def test_cache_hit_returns_the_same_memory_and_skips_the_forward() -> None
     encoder = ImageEncoder(backend, settings)
     async with trio.open_nursery() as nursery:
         await nursery.start(encoder.run)
-        first = await encoder.encode([image(1)])
-        second = await encoder.encode([image(1)])
+        first = await encoder.encode([noise_png(1)])
+        second = await encoder.encode([noise_png(1)])
         nursery.cancel_scope.cancel()
     assert backend.batches == [1, 1]
     assert second.address == first.address
@@ -105,10 +96,12 @@ async def test_cache_hit_returns_the_same_memory_and_skips_the_forward() -> None
 
 async def test_multi_image_rows_are_concatenated_in_order() -> None:
     single = await encode_together(
-        ImageEncoder(Counting(TINY), TINY), [[image(1)], [image(2)], [image(3)]]
+        ImageEncoder(Counting(TINY), TINY),
+        [[noise_png(1)], [noise_png(2)], [noise_png(3)]],
     )
     (multi,) = await encode_together(
-        ImageEncoder(Counting(TINY), TINY), [[image(1), image(2), image(3)]]
+        ImageEncoder(Counting(TINY), TINY),
+        [[noise_png(1), noise_png(2), noise_png(3)]],
     )
     assert multi.rows == 48
     assert torch.equal(multi.tensor, torch.cat([e.tensor for e in single]))
@@ -117,7 +110,7 @@ async def test_multi_image_rows_are_concatenated_in_order() -> None:
 async def test_bfloat16_encoder_end_to_end() -> None:
     settings = replace(TINY, dtype="bfloat16")
     encoder = ImageEncoder(Counting(settings), settings)
-    (embedding,) = await encode_together(encoder, [[image(1)]])
+    (embedding,) = await encode_together(encoder, [[noise_png(1)]])
     assert embedding.dtype == "bfloat16"
     assert encoder.info.dtype == "bfloat16"
     assert embedding.nbytes == 16 * 64 * 2

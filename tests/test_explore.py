@@ -25,7 +25,8 @@ from trio_encode.testing import (
     random_schedule,
     run_schedule,
 )
-from trio_encode.testing.stand_in_encoder import StandInEncoder, expected_embedding, image_uri
+from trio_encode.testing.images import image_uri
+from trio_encode.testing.stand_in_encoder import StandInEncoder, expected_embedding
 
 IMAGES = (b"explore-image-0", b"explore-image-1")
 LATENCY_SEEDS = range(8)

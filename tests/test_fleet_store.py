@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 import trio
 
-from support.cluster import EncoderProcess, Master, noise_png, start_encoders, start_master
+from support.cluster import EncoderProcess, Master, start_encoders, start_master
 from support.engines import RankEngines
 from support.harness import landing_pools
 from trio_encode.client import EncodeClient, FleetClient, LandingPool
 from trio_encode.client.ranking import content_digest, rank
+from trio_encode.testing.images import noise_uri
 
 EMBEDDING = 64 * 1024 * 4  # the tiny model's float32 embedding of one image
 
@@ -71,7 +72,7 @@ async def _until(check: Callable[[], bool], within: float = 10.0) -> None:
 async def test_an_image_encoded_by_one_encoder_is_served_by_another_without_a_forward(
     cluster: Cluster, rank_engines: RankEngines
 ) -> None:
-    item = noise_png(1)
+    item = noise_uri(1, 64)
     async with landing_pools(rank_engines, 2 * EMBEDDING) as pools:
         first = await _encode_and_send(cluster.a.url, "store-a", item, pools[0])
         assert cluster.a.forwards() == 1
@@ -91,7 +92,7 @@ async def test_an_image_encoded_by_one_encoder_is_served_by_another_without_a_fo
 async def test_a_different_model_never_hits_anothers_entries(
     cluster: Cluster, rank_engines: RankEngines
 ) -> None:
-    item = noise_png(1)  # stored by the float32 encoders in the test before
+    item = noise_uri(1, 64)  # stored by the float32 encoders in the test before
     async with landing_pools(rank_engines, EMBEDDING) as pools:
         landed = await _encode_and_send(cluster.bf16.url, "store-bf16", item, pools[0])
     assert len(landed) == EMBEDDING // 2
@@ -108,9 +109,11 @@ async def test_killing_an_encoder_mid_run_loses_no_request(
     images: list[str] = []
     for wanted in (cluster.b.url, cluster.a.url):
         seeds = (
-            s for s in range(100, 400) if rank(urls, content_digest([noise_png(s)]))[0] == wanted
+            s
+            for s in range(100, 400)
+            if rank(urls, content_digest([noise_uri(s, 64)]))[0] == wanted
         )
-        images += [noise_png(next(seeds)), noise_png(next(seeds))]
+        images += [noise_uri(next(seeds), 64), noise_uri(next(seeds), 64)]
     tp = len(rank_engines.ranks)
     requests = 8
     landed: dict[int, set[bytes]] = {i: set() for i in range(len(images))}
@@ -158,7 +161,7 @@ async def test_with_the_master_down_requests_still_succeed_and_say_so(
     before, forwards = lookups(), cluster.a.forwards()
     async with landing_pools(rank_engines, EMBEDDING) as pools:
         with trio.fail_after(5):
-            await _encode_and_send(cluster.a.url, "no-master", noise_png(999), pools[0])
+            await _encode_and_send(cluster.a.url, "no-master", noise_uri(999, 64), pools[0])
     assert cluster.a.forwards() == forwards + 1
     after = lookups()
     # The read fails at once (error) or, on a loaded machine, outlasts the wait (timeout).

@@ -20,7 +20,8 @@ import torch
 from support.engines import DEAD_SESSION, RankEngines
 from support.harness import Harness, landing_pools, serving
 from trio_encode.client import LandingPool
-from trio_encode.testing.stand_in_encoder import embedding_size, image_uri
+from trio_encode.testing.images import image_uri
+from trio_encode.testing.stand_in_encoder import embedding_size
 
 MAX_BODY = 64 * 1024
 GOOD_ITEM = image_uri(b"a good image" * 10)

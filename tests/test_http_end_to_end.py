@@ -10,7 +10,8 @@ from support.engines import TP, RankEngines
 from support.harness import landing_pools, serving
 from trio_encode.client import ChecksumMismatch, LandingSlot, metric_value
 from trio_encode.errors import RequestReleased
-from trio_encode.testing.stand_in_encoder import embedding_size, expected_embedding, image_uri
+from trio_encode.testing.images import image_uri
+from trio_encode.testing.stand_in_encoder import embedding_size, expected_embedding
 
 REQUESTS = 12
 IMAGES = 2

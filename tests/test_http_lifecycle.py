@@ -17,12 +17,8 @@ from support.harness import Harness, landing_pools, serving
 from trio_encode.client import EncodeClient, LandingSlot
 from trio_encode.errors import RequestReleased, ScopeExpired
 from trio_encode.service import ShutdownReport
-from trio_encode.testing.stand_in_encoder import (
-    StandInEncoder,
-    embedding_size,
-    expected_embedding,
-    image_uri,
-)
+from trio_encode.testing.images import image_uri
+from trio_encode.testing.stand_in_encoder import StandInEncoder, embedding_size, expected_embedding
 
 IMAGE = b"a cat" * 100
 SIZE = embedding_size(1)

@@ -15,7 +15,8 @@ from trio_encode.client import metric_value
 from trio_encode.server.loading import LoadingEncoder
 from trio_encode.server.metrics import Metrics, build_versions
 from trio_encode.service import Encoder
-from trio_encode.testing.stand_in_encoder import StandInEncoder, embedding_size, image_uri
+from trio_encode.testing.images import image_uri
+from trio_encode.testing.stand_in_encoder import StandInEncoder, embedding_size
 
 ITEM = image_uri(b"probe image")
 

@@ -8,17 +8,14 @@ and that shared memory is registered once.
 
 from __future__ import annotations
 
-import base64
-import io
-
 import torch
 import trio
-from PIL import Image
 
 from support.engines import TP, RankEngines
 from support.harness import landing_pools, serving
 from trio_encode.client import LandingSlot, metric_value
 from trio_encode.encoder import EncoderSettings, ImageEncoder, decode_image
+from trio_encode.testing.images import noise_uri
 
 SMALL = EncoderSettings(
     image_size=64,
@@ -30,14 +27,6 @@ SMALL = EncoderSettings(
     max_batch_size=8,
     arena_bytes=0,  # these tests are about per-request registration; test_http_arena has the arena
 )
-
-
-def png_uri(seed: int) -> str:
-    generator = torch.Generator().manual_seed(seed)
-    pixels = torch.randint(0, 256, (48, 40, 3), generator=generator, dtype=torch.uint8)
-    out = io.BytesIO()
-    Image.fromarray(pixels.numpy()).save(out, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
 
 
 def direct(encoder: ImageEncoder, uris: list[str]) -> torch.Tensor:
@@ -54,7 +43,7 @@ async def test_tp4_ranks_with_the_real_encoder_every_byte_checked(
     rank_engines: RankEngines,
 ) -> None:
     encoder = ImageEncoder.from_settings(SMALL)
-    requests = {f"vit-{i}": [png_uri(100 + 2 * i), png_uri(101 + 2 * i)] for i in range(6)}
+    requests = {f"vit-{i}": [noise_uri(100 + 2 * i), noise_uri(101 + 2 * i)] for i in range(6)}
     landed: dict[tuple[str, int], LandingSlot] = {}
     per_request = 2 * 16 * 256 * 4
     async with (
@@ -92,7 +81,7 @@ async def test_cache_hit_across_requests_registers_the_shared_memory_once(
     both embeddings are one tensor. While a is still live (one of its two ranks has sent), b
     leases a's registration instead of registering the same bytes again."""
     encoder = ImageEncoder.from_settings(SMALL)
-    uri = png_uri(7)
+    uri = noise_uri(7)
     size = 16 * 256 * 4
     async with (
         serving(rank_engines.server, encoder=encoder) as harness,

@@ -9,9 +9,7 @@ its real forward inline after a shielded virtual-time sleep, which is how a thre
 
 from __future__ import annotations
 
-import base64
 import ctypes
-import io
 import itertools
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -23,12 +21,12 @@ import pytest
 import torch
 import trio
 import trio.testing
-from PIL import Image
 
 from trio_encode.encoder import EncoderSettings, ImageEncoder, decode_image, load_backend
 from trio_encode.errors import EncodeFailed, RequestReleased, ScopeExpired
 from trio_encode.request_types import Receiver
 from trio_encode.service import EncodeService, ServiceSettings
+from trio_encode.testing.images import noise_uri
 from trio_encode.testing.memory_engine import InMemoryEngine, InMemoryFabric
 
 T = TypeVar("T")
@@ -45,15 +43,6 @@ TINY = EncoderSettings(
     queue_size=16,
     warmup=False,
 )
-
-
-def png_uri(seed: int) -> str:
-    """A distinct 32x32 PNG as a data URI."""
-    generator = torch.Generator().manual_seed(seed)
-    pixels = torch.randint(0, 256, (32, 32, 3), generator=generator, dtype=torch.uint8)
-    out = io.BytesIO()
-    Image.fromarray(pixels.numpy()).save(out, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
 
 
 class ForwardGate:
@@ -148,7 +137,7 @@ async def test_tp_siblings_register_the_encoders_output_once(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     async with real_encoder() as h:
-        uri = png_uri(1)
+        uri = noise_uri(1)
         ranks = [await h.receiver() for _ in range(4)]
 
         async def rank(receiver: Receiver) -> None:
@@ -171,7 +160,7 @@ async def test_cache_hit_shares_memory_and_one_registration(
     """Invariant 1: the second request is a cache hit on the same image, so both embeddings
     are the same tensor; while the first still sends, the second leases its registration."""
     async with real_encoder(cache_bytes=1 << 20) as h:
-        uri = png_uri(2)
+        uri = noise_uri(2)
         (ra, read_a), (rb, read_b) = await h.receiver(), await h.receiver()
         await h.service.encode("a", [uri], receive_count=1)
         await h.service.encode("b", [uri], receive_count=1)
@@ -199,7 +188,7 @@ async def test_views_into_one_batch_are_registered_apart_without_overlap(
     """Invariant 1: four requests encoded in one forward get views into one output tensor;
     each view is its own non-overlapping registration, and every byte is right."""
     async with real_encoder() as h:
-        uris = [png_uri(10 + i) for i in range(4)]
+        uris = [noise_uri(10 + i) for i in range(4)]
         receivers = [await h.receiver() for _ in uris]
         async with trio.open_nursery() as nursery:
             for i, uri in enumerate(uris):
@@ -242,9 +231,9 @@ async def test_request_cancelled_in_the_encoder_queue_is_never_encoded(
         h.forward_gate.hold()
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(encode, "busy", png_uri(20))
+                nursery.start_soon(encode, "busy", noise_uri(20))
                 await trio.sleep(1.0)  # "busy" is in the (stuck) forward now
-                nursery.start_soon(encode, "queued", png_uri(21))
+                nursery.start_soon(encode, "queued", noise_uri(21))
                 await trio.testing.wait_all_tasks_blocked()
                 assert h.encoder.queued_images == 1
         finally:
@@ -272,7 +261,7 @@ async def test_model_failure_reaches_every_sibling(
 
         async def rank() -> None:
             try:
-                await h.service.encode("r1", [png_uri(3)], receive_count=2)
+                await h.service.encode("r1", [noise_uri(3)], receive_count=2)
             except Exception as exc:
                 outcomes.append(exc)
 

@@ -99,7 +99,8 @@ async def test_a_second_signal_cuts_the_grace_short() -> None:
     from trio_encode.client import EncodeClient
     from trio_encode.server.serve import serve
     from trio_encode.settings import ServerSettings
-    from trio_encode.testing.stand_in_encoder import StandInEncoder, image_uri
+    from trio_encode.testing.images import image_uri
+    from trio_encode.testing.stand_in_encoder import StandInEncoder
 
     fabric = InMemoryFabric()
     settings = ServerSettings(port=0, shutdown_grace=30.0)

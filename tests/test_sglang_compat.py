@@ -27,7 +27,8 @@ import trio
 from support.engines import TP, RankEngines
 from support.harness import Harness, landing_pools, serving
 from trio_encode.client import LandingPool, metric_value
-from trio_encode.testing.stand_in_encoder import embedding_size, expected_embedding, image_uri
+from trio_encode.testing.images import image_uri
+from trio_encode.testing.stand_in_encoder import embedding_size, expected_embedding
 
 PREFILL_HOST = "127.0.0.1"
 EMBEDDING_PORT = 30001

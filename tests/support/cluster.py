@@ -7,8 +7,6 @@ model tiny. A missing ``mooncake_master`` fails the test (it is part of the Moon
 
 from __future__ import annotations
 
-import base64
-import io
 import os
 import shutil
 import signal
@@ -21,8 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-import numpy as np
-from PIL import Image
 
 from trio_encode.client import metric_value
 from trio_encode.encoder import EncoderSettings
@@ -41,14 +37,6 @@ def free_port() -> int:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
         return port
-
-
-def noise_png(seed: int, side: int = 64) -> str:
-    """A distinct PNG data URI for every seed."""
-    pixels = np.random.default_rng(seed).integers(0, 256, (side, side, 3), dtype=np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
 def _environment() -> dict[str, str]:

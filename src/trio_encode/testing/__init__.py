@@ -5,6 +5,8 @@
   and frozen peers, for deterministic tests on Trio's mock clock;
 - :mod:`~trio_encode.testing.stand_in_encoder`: an encoder whose embedding is a pure function
   of the image bytes, so a test knows what every receiver must hold;
+- :mod:`~trio_encode.testing.images`: seeded test images (noise, solid colours, photo-like
+  JPEGs) and data URIs;
 - :mod:`~trio_encode.testing.explore`: cancel-anywhere and seeded-schedule exploration of the
   ``/encode`` and ``/send`` paths.
 """
@@ -26,8 +28,9 @@ from trio_encode.testing.explore import (
     run_schedule,
     seeded_scheduler,
 )
+from trio_encode.testing.images import image_uri
 from trio_encode.testing.memory_engine import CallRecord, Gate, InMemoryEngine, InMemoryFabric
-from trio_encode.testing.stand_in_encoder import StandInEncoder, expected_embedding, image_uri
+from trio_encode.testing.stand_in_encoder import StandInEncoder, expected_embedding
 
 __all__ = [
     "LATENCY_KINDS",

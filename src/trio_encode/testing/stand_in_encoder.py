@@ -23,12 +23,6 @@ ROWS_PER_IMAGE = 64
 DIM = 512
 
 
-def image_uri(payload: bytes | str, media_type: str = "image/png") -> str:
-    """A data URI carrying ``payload`` (the stand-in never decodes pixels)."""
-    data = payload.encode() if isinstance(payload, str) else payload
-    return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
-
-
 def expected_embedding(images: Sequence[bytes]) -> torch.Tensor:
     """What the stand-in returns for ``images``: seeded by each image's SHA-256."""
     parts = []

@@ -13,17 +13,13 @@ goes to stdout.
 
 from __future__ import annotations
 
-import base64
-import io
 from collections.abc import Callable, Iterator
 from contextlib import AsyncExitStack, contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 
-import numpy as np
 import torch
 import trio
-from PIL import Image
 from pydantic import ConfigDict
 from pydantic.dataclasses import dataclass as settings_dataclass
 from rich.console import Console
@@ -46,6 +42,7 @@ from trio_encode.errors import RequestError
 from trio_encode.server.metrics import Metrics
 from trio_encode.server.serve import open_server
 from trio_encode.settings import LogLevel, ServerSettings
+from trio_encode.testing.images import noise_uri
 
 
 @settings_dataclass(frozen=True, config=ConfigDict(extra="forbid"))
@@ -119,14 +116,6 @@ class DemoOutcome:
         return "\n".join(lines)
 
 
-def demo_image(seed: int, side: int = 224) -> str:
-    """A noise PNG as a data URI; a different image for every seed."""
-    pixels = np.random.default_rng(seed).integers(0, 256, (side, side, 3), dtype=np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
-
-
 class _Steps:
     """The progress display: one line per step, a bar where the step can be counted."""
 
@@ -191,7 +180,7 @@ async def _run(settings: ServerSettings, config: DemoSettings, steps: _Steps) ->
             partial(ImageEncoder.from_settings, settings.encoder, observer=metrics)
         )
     per_request = images * encoder.info.bytes_per_image
-    items = [[demo_image(req * images + i) for i in range(images)] for req in range(requests)]
+    items = [[noise_uri(req * images + i, 224) for i in range(images)] for req in range(requests)]
     answers: dict[tuple[int, int], tuple[EncodeResult, LandingSlot]] = {}
 
     async with AsyncExitStack() as stack:

@@ -48,7 +48,7 @@ from trio_encode.encoder import EncoderSettings
 from trio_encode.engine.mooncake import MooncakeEngine, MooncakeSettings
 from trio_encode.errors import RequestError
 from trio_encode.settings import ServerSettings, child_environment, serve_flags, server_settings
-from trio_encode.tools.demo import demo_image
+from trio_encode.testing.images import noise_uri
 
 _SLOT_BYTES = 16 << 20  # room for one request's embedding per concurrent request and rank
 _STORE_SEGMENT_BYTES = 256 << 20  # each encoder's share of the store
@@ -329,7 +329,7 @@ async def _workload(
     http: httpx.AsyncClient,
     outcome: FleetOutcome,
 ) -> None:
-    images = [demo_image(seed) for seed in range(config.distinct)]
+    images = [noise_uri(seed, 224) for seed in range(config.distinct)]
     order = [n % config.distinct for n in range(config.requests)]
     random.Random(0).shuffle(order)
     checksums: dict[int, str] = {}

@@ -23,7 +23,6 @@ JSON; the child answers ``ready`` once prepared. Answers are JSON lines on stdou
 from __future__ import annotations
 
 import base64
-import io
 import json
 import os
 import subprocess
@@ -35,14 +34,13 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import httpx
-import numpy as np
 import trio
-from PIL import Image, ImageDraw, ImageFilter
 
 from trio_encode.client import EncodeClient, LandingPool, LandingSlot
 from trio_encode.client.http import answer_of
 from trio_encode.client.transport import KeepAliveTransport
 from trio_encode.engine.mooncake import MooncakeEngine, MooncakeSettings
+from trio_encode.testing.images import natural_jpegs
 
 _JSON = {"Content-Type": "application/json"}
 
@@ -73,44 +71,6 @@ class LoadConfig:
     """``encode`` (clients loop /encode then /send) or ``send`` (ranks send given req_ids)."""
     landing_bytes: int = 0
     """In ``send`` mode, each rank's slot: the largest embedding it will receive."""
-
-
-def natural_jpegs(count: int, side: int, seed: int = 0, quality: int = 92) -> list[bytes]:
-    """``count`` different ``side`` x ``side`` JPEGs that compress like photos.
-
-    Random noise does not compress (a 224x224 noise PNG is ~150 kB) and costs the server
-    more to receive and decode than a photo (~10-30 kB at that size). These are a smooth
-    two-colour gradient, a few blurred ellipses and rectangles, and mild Gaussian noise
-    (sigma 6), as JPEG at quality 92, seeded so every run sends the same bytes.
-    """
-    rng = np.random.default_rng(seed)
-    ramp = np.linspace(0.0, 1.0, side, dtype=np.float32)
-    images = []
-    for _ in range(count):
-        start, end = rng.uniform(0, 255, (2, 3)).astype(np.float32)
-        angle = rng.uniform(0, 2 * np.pi)
-        t = np.clip(
-            0.5 + (np.cos(angle) * (ramp[None, :] - 0.5) + np.sin(angle) * (ramp[:, None] - 0.5)),
-            0.0,
-            1.0,
-        )
-        base = start + (end - start) * t[..., None]
-        picture = Image.fromarray(base.astype(np.uint8))
-        draw = ImageDraw.Draw(picture)
-        for _ in range(int(rng.integers(3, 7))):
-            x0, y0 = rng.uniform(0, side * 0.8, 2)
-            w, h = rng.uniform(side * 0.1, side * 0.5, 2)
-            fill = tuple(int(c) for c in rng.integers(0, 256, 3))
-            box = (x0, y0, min(side, x0 + w), min(side, y0 + h))
-            (draw.ellipse if rng.random() < 0.5 else draw.rectangle)(box, fill=fill)
-        picture = picture.filter(ImageFilter.GaussianBlur(1.5))
-        noisy = np.asarray(picture, dtype=np.float32) + rng.normal(0, 6, (side, side, 3))
-        buffer = io.BytesIO()
-        Image.fromarray(np.clip(noisy, 0, 255).astype(np.uint8)).save(
-            buffer, format="JPEG", quality=quality
-        )
-        images.append(buffer.getvalue())
-    return images
 
 
 def _item_json(jpeg: bytes) -> bytes:

@@ -8,7 +8,6 @@ ranks' sends, which run in the load process. Encoder rows: the model's forward i
 
 from __future__ import annotations
 
-import base64
 import json
 import math
 import sys
@@ -25,8 +24,8 @@ from trio_encode.client.http import answer_of
 from trio_encode.encoder import VisionBackend
 from trio_encode.engine import TransferEngine
 from trio_encode.server.metrics import Metrics
+from trio_encode.testing.images import image_uri, noise_pngs
 from trio_encode.tools.bench.load import LoadProcess
-from trio_encode.tools.bench.synthetic import tiny_pngs
 
 WINDOW_BYTES = 256 << 20
 """Embeddings encoded ahead of their timed sends, at most: bounds the memory a phase holds."""
@@ -77,9 +76,7 @@ async def served_sends(
     """Seconds the ranks took to ``/send`` every req_id; each window is encoded first,
     untimed, with distinct images (so no two req_ids share an embedding)."""
     window = window_for(nbytes, len(req_ids))
-    images = [
-        "data:image/png;base64," + base64.b64encode(png).decode() for png in tiny_pngs(window)
-    ]
+    images = [image_uri(png) for png in noise_pngs(window)]
     seconds = 0.0
     for first in range(0, len(req_ids), window):
         batch = req_ids[first : first + window]

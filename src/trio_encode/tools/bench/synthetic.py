@@ -8,10 +8,7 @@ derived from its pixels (so distinct images give distinct bytes to verify).
 
 from __future__ import annotations
 
-import io
-
 import torch
-from PIL import Image
 
 from trio_encode.encoder.images import Preprocess
 
@@ -41,15 +38,3 @@ class SizedBackend:
         row = torch.zeros(pixels.shape[0], 1, HIDDEN)
         row[:, 0, : seeds.shape[1]] = seeds
         return (row + torch.arange(self.tokens_per_image).view(1, -1, 1)).contiguous()
-
-
-def tiny_pngs(count: int, *, side: int = 16, seed: int = 0) -> list[bytes]:
-    """``count`` different small noise PNGs (seeded: the same every run)."""
-    generator = torch.Generator().manual_seed(seed)
-    images = []
-    for _ in range(count):
-        pixels = torch.randint(0, 256, (side, side, 3), generator=generator, dtype=torch.uint8)
-        buffer = io.BytesIO()
-        Image.fromarray(pixels.numpy()).save(buffer, format="PNG")
-        images.append(buffer.getvalue())
-    return images

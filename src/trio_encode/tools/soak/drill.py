@@ -44,7 +44,7 @@ class Workload:
         import torch
         import xxhash
 
-        from trio_encode.tools.bench.load import natural_jpegs
+        from trio_encode.testing.images import natural_jpegs
 
         backend = load_backend(settings)
         side = backend.preprocess.image_size
