@@ -29,7 +29,7 @@ LAYERS: tuple[frozenset[str], ...] = tuple(
         "settings",  # every setting of `serve`, gathered from the layers that obey them
         "service",  # the service nursery: scopes, pulls, the encoder and the engine together
         "scopes",  # the live scopes, by req_id
-        "scope arrivals",  # one request's life; pulls waiting for their /encode
+        "scope arrivals completion",  # a request's life; waiting pulls; SGLang's message
         "ledger",  # at most one live registration for any byte
         "client",  # the prefill side's client (beside the server, never importing it)
         "encoder",  # images -> embeddings, the cache, the store

@@ -10,10 +10,13 @@ Written from SGLang's released receiver and encode-server source, as SGLang send
    (maybe before step 1 arrived), sorts the answers by ``part_idx``, and allocates one landing
    buffer for the sum of their ``embedding_size``;
 3. every rank POSTs ``/send`` for every part: the pulled answer updated with ``prefill_host``,
-   ``embedding_port``, ``session_id``, ``buffer_address`` (its offset in the buffer) and
-   ``receive_count`` (the TP size). Any non-200 fails the rank; it logs ``message``.
+   ``embedding_port`` (its own ZMQ PULL socket for this request), ``session_id``,
+   ``buffer_address`` (its offset in the buffer) and ``receive_count`` (the TP size). Any
+   non-200 fails the rank; it logs ``message``;
+4. the rank completes the request only when a completion message per part has arrived on its
+   PULL socket (loaded here by an unpickler following SGLang's allow-list rule).
 
-Every landed byte is checked, and nothing is left live afterwards.
+Every landed byte and every message is checked, and nothing is left live afterwards.
 """
 
 from __future__ import annotations
@@ -23,15 +26,16 @@ from typing import Any
 import httpx
 import pytest
 import trio
+import zmq
 
 from support.engines import TP, RankEngines
 from support.harness import Harness, landing_pools, serving
+from support.sglang_pickle import EmbeddingData, Modality, safe_loads
 from trio_encode.client import LandingPool, metric_value
 from trio_encode.testing.images import image_uri
 from trio_encode.testing.stand_in_encoder import embedding_size, expected_embedding
 
 PREFILL_HOST = "127.0.0.1"
-EMBEDDING_PORT = 30001
 
 
 def part_req_id(rid: str, part_idx: int) -> str:
@@ -49,7 +53,7 @@ def tokenizer_bodies(rid: str, parts: list[list[Any]]) -> list[dict[str, Any]]:
             "req_id": part_req_id(rid, part_idx),
             "modality": "IMAGE",
             "prefill_host": PREFILL_HOST,
-            "embedding_port": EMBEDDING_PORT,
+            "embedding_port": None,  # SGLang's Mooncake path: ranks name theirs in /send
             "time_stats_json": '{"created_time": 1.0}',
         }
         for part_idx, items in enumerate(parts)
@@ -87,8 +91,30 @@ class Rank:
         self.pool = pool
         self.error: tuple[int, str] | None = None
         self.landed: list[bytes] = []
+        self.messages: list[EmbeddingData] = []
+
+    async def completions(self, pull: zmq.Socket[bytes], count: int) -> None:
+        """Wait for a completion message per part, as SGLang's scheduler polls its socket."""
+        with trio.fail_after(10):
+            while len(self.messages) < count:
+                try:
+                    self.messages.append(safe_loads(pull.recv(zmq.NOBLOCK)))
+                except zmq.Again:
+                    await trio.sleep(0.005)
 
     async def receive(self, rid: str, num_parts: int) -> None:
+        context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        pull = context.socket(zmq.PULL)
+        try:
+            port = pull.bind_to_random_port(f"tcp://{PREFILL_HOST}")
+            await self._receive(rid, num_parts, pull, port)
+        finally:
+            pull.close(linger=0)
+            context.term()
+
+    async def _receive(
+        self, rid: str, num_parts: int, pull: zmq.Socket[bytes], embedding_port: int
+    ) -> None:
         pulls = await gather_posts(
             self.http,
             [
@@ -108,7 +134,7 @@ class Rank:
             rj.update(
                 {
                     "prefill_host": PREFILL_HOST,
-                    "embedding_port": EMBEDDING_PORT,
+                    "embedding_port": embedding_port,
                     "session_id": self.pool.session_id,
                     "buffer_address": offset + slot.address,
                     "receive_count": TP,
@@ -119,6 +145,16 @@ class Rank:
         if (error := first_error(await gather_posts(self.http, sends))) is not None:
             self.error = error
             return
+        await self.completions(pull, num_parts)
+        for message in self.messages:  # SGLang's checks, then the fields it reads
+            assert message.req_id == part_req_id(rid, message.part_idx)
+            assert message.num_parts == num_parts
+            assert message.error_msg is None
+            assert message.modality is Modality.IMAGE
+            answer = answers[message.part_idx]
+            assert message.shape == [answer["embedding_len"], answer["embedding_dim"]]
+            assert message.grid_dim is None  # the stand-in has a fixed grid
+        assert sorted(m.part_idx for m in self.messages) == list(range(num_parts))
         raw = bytes(slot.raw().numpy().tobytes())
         offset = 0
         for size in sizes:
@@ -245,12 +281,21 @@ async def test_many_requests_at_once_in_both_orders(rank_engines: RankEngines) -
         await harness.settled()
 
 
+async def timed_pull(http: httpx.AsyncClient, req_id: str, part_idx: int) -> tuple[float, Any]:
+    started = trio.current_time()
+    response = await http.post(
+        "/scheduler_receive_meta_data", json={"req_id": req_id, "part_idx": part_idx}
+    )
+    return trio.current_time() - started, response
+
+
 async def test_a_failed_encode_fails_every_rank_with_its_message(rank_engines: RankEngines) -> None:
     """Part 1's encoder run fails: every rank's pull of it gets 500 and the encoder's message
-    (SGLang logs ``message``); part 0's scope still ends (its backstop here), nothing leaks."""
+    (SGLang logs ``message``). Part 0, whose ranks will now never send it, is released at once
+    (not at its backstop); later pulls of either part get the failure at once."""
     items = [[image_uri(b"fine" * 30)], [image_uri(b"FAIL" * 30)]]
     async with (
-        serving(rank_engines.server, send_timeout=2.0) as harness,
+        serving(rank_engines.server, send_timeout=60.0) as harness,
         landing_pools(rank_engines, 1 << 20) as pools,
     ):
         encodes, ranks = await run_request(harness, pools, "rid-f", items, pulls_first=True)
@@ -260,8 +305,72 @@ async def test_a_failed_encode_fails_every_rank_with_its_message(rank_engines: R
             status, message = rank.error
             assert status == 500
             assert "stand-in encoder told to fail" in message
-        await harness.settled(within=10.0)
+        text = await harness.settled(within=2.0)  # far below the 60 s backstop
+        assert metric_value(text, "scopes_closed_total", reason="abandoned") == 1
+        assert metric_value(text, "backstop_expiries_total") == 0
         assert len(harness.running.service.arrivals) == 0
+        async with httpx.AsyncClient(base_url=harness.running.url) as http:
+            for part_idx in (0, 1):
+                seconds, late = await timed_pull(http, part_req_id("rid-f", part_idx), part_idx)
+                assert seconds < 0.1
+                assert late.status_code == 500
+                assert "stand-in encoder told to fail" in late.json()["message"]
+
+
+async def test_a_bad_image_answers_pulls_at_once_also_those_after_it(
+    rank_engines: RankEngines,
+) -> None:
+    """An image found undecodable while encoding: the /encode gets 400, and so does every
+    pull, those waiting and those arriving after the failure, within 100 ms (not at the
+    180 s pull timeout), while a corrected /encode may still reuse the id."""
+    items = [[image_uri(b"BAD image" * 30)]]
+    async with (
+        serving(rank_engines.server, shutdown_grace=0) as harness,
+        landing_pools(rank_engines, 1 << 20) as pools,
+    ):
+        encodes, ranks = await run_request(harness, pools, "rid-bad", items, pulls_first=True)
+        assert [r.status_code for r in encodes] == [400]
+        for rank in ranks:
+            assert rank.error == (400, "mm_items[0]: cannot decode the image")
+        async with httpx.AsyncClient(base_url=harness.running.url) as http:
+            seconds, late = await timed_pull(http, part_req_id("rid-bad", 0), 0)
+            assert seconds < 0.1
+            assert late.status_code == 400
+            assert late.json()["message"] == "mm_items[0]: cannot decode the image"
+            body = tokenizer_bodies("rid-bad", [[image_uri(b"good" * 30)]])[0]
+            assert (await http.post("/encode", json=body)).status_code == 200
+
+
+async def test_an_encode_naming_ranks_tells_each_of_them_it_failed(
+    rank_engines: RankEngines,
+) -> None:
+    """An /encode that names its ranks' ZMQ endpoints (``embedding_port`` a list, as SGLang's
+    ZMQ paths do): when it fails, each rank gets SGLang's error message at once."""
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    pulls = [context.socket(zmq.PULL) for _ in range(TP)]
+    try:
+        ports = [pull.bind_to_random_port(f"tcp://{PREFILL_HOST}") for pull in pulls]
+        body = tokenizer_bodies("rid-e", [[image_uri(b"FAIL" * 30)]])[0] | {"embedding_port": ports}
+        async with serving(rank_engines.server) as harness:
+            async with httpx.AsyncClient(base_url=harness.running.url) as http:
+                assert (await http.post("/encode", json=body)).status_code == 500
+            for pull in pulls:
+                rank = Rank(http, None)  # type: ignore[arg-type]
+                await rank.completions(pull, 1)
+                (message,) = rank.messages
+                assert message.req_id == part_req_id("rid-e", 0)
+                assert message.error_code == 500
+                assert "stand-in encoder told to fail" in message.error_msg
+                assert message.shape is None
+            text = await harness.settled()
+            assert (
+                metric_value(text, "completion_messages_total", kind="error", result="sent")
+                == TP
+            )
+    finally:
+        for pull in pulls:
+            pull.close(linger=0)
+        context.term()
 
 
 async def test_a_pull_for_an_id_no_encode_names_gets_504(rank_engines: RankEngines) -> None:

@@ -141,6 +141,14 @@ class EngineFailed(RequestError):
         return None if self.engine_code is None else engine_code_meaning(self.engine_code)
 
 
+class CompletionFailed(RequestError):
+    """The bytes landed, but the prefill rank's completion message could not be delivered to
+    the ZMQ endpoint its ``/send`` named (502): without it SGLang never completes the part."""
+
+    status = 502
+    kind = "completion_failed"
+
+
 class Overloaded(RequestError):
     """The encoder queue is full; retry shortly (503)."""
 
@@ -191,6 +199,7 @@ ERRORS: tuple[type[RequestError], ...] = (
     RequestReleased,
     EncodeFailed,
     EngineFailed,
+    CompletionFailed,
     Overloaded,
     NotReady,
     ShuttingDown,

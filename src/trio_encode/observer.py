@@ -43,6 +43,11 @@ class LifecycleObserver(Protocol):
         """Registrations whose deregistration failed and is being retried (memory kept)."""
         ...
 
+    def completion_pushed(self, kind: str, *, ok: bool) -> None:
+        """A completion message (``kind``: done or error) was delivered to a prefill rank, or
+        could not be."""
+        ...
+
 
 class NullObserver:
     """Ignores every event."""
@@ -75,4 +80,7 @@ class NullObserver:
         pass
 
     def quarantine_changed(self, regions: int, nbytes: int) -> None:
+        pass
+
+    def completion_pushed(self, kind: str, *, ok: bool) -> None:
         pass

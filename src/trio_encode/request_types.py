@@ -12,11 +12,19 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 EndReason = Literal[
-    "completed", "encode_failed", "invalid_input", "refused", "failed", "expired", "shutdown"
+    "completed",
+    "encode_failed",
+    "invalid_input",
+    "refused",
+    "failed",
+    "expired",
+    "shutdown",
+    "abandoned",
 ]
 """Why a scope ended. ``invalid_input`` and ``refused`` (a transient 503 from the encoder)
 leave no tombstone, so the client may retry the same ``req_id``; ``failed`` is an unexpected
-error inside the scope (a bug), answered 500."""
+error inside the scope (a bug), answered 500; ``abandoned``: a sibling part of the same
+prefill request failed, so its ranks will never send this one."""
 
 
 Grid = tuple[int, ...]

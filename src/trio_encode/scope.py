@@ -175,6 +175,15 @@ class RequestScope:
             self.end_reason = "shutdown"
         self._backstop.cancel()
 
+    def abandon(self, failure: Failure) -> None:
+        """End the scope now: its request failed elsewhere (a sibling part), so no receiver
+        will come. Calls get ``failure``; running transfers still finish first."""
+        if self._failure is None:
+            self._failure = failure
+        if self.end_reason is None:
+            self.end_reason = "abandoned"
+        self._backstop.cancel()
+
     async def wait_encoded(self) -> EmbeddingShape:
         """Wait for the one encoder run; every sibling gets the same answer or error.
 

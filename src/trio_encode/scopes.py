@@ -105,6 +105,10 @@ class ScopeRegistry:
             self._raise_if_released(req_id)
         return scope
 
+    def live(self, req_id: str) -> RequestScope | None:
+        """The live scope for ``req_id``, or None (ended or never seen)."""
+        return self._scopes.get(req_id)
+
     def require_live(self, req_id: str) -> RequestScope:
         """The live scope for ``req_id``; raises 404 if never seen, 410 (or its error) if
         ended."""

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import math
+import re
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -22,12 +24,26 @@ from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from trio_encode.arena import Arena
 from trio_encode.arrivals import Arrivals
+from trio_encode.completion import CompletionMessage, CompletionPusher, Endpoint
 from trio_encode.declare import setting
 from trio_encode.engine import EngineError, TransferEngine
-from trio_encode.errors import EncodeNotArrived, InvalidInput, ShuttingDown
+from trio_encode.errors import (
+    CompletionFailed,
+    EncodeNotArrived,
+    InvalidInput,
+    RequestError,
+    ShuttingDown,
+)
 from trio_encode.ledger import Lease, RegistrationLedger
 from trio_encode.observer import LifecycleObserver, NullObserver
-from trio_encode.request_types import EmbeddingMemory, EmbeddingShape, Receiver, SendReport
+from trio_encode.request_types import (
+    EmbeddingMemory,
+    EmbeddingShape,
+    Receiver,
+    SendReport,
+    grid_dim,
+)
+from trio_encode.scope import Failure, RequestScope
 from trio_encode.scopes import ScopeRegistry
 
 log = logging.getLogger(__name__)
@@ -98,6 +114,20 @@ class ServiceSettings:
         "/encode has named yet waits for one (then 504); once named, the request's own "
         "deadline bounds the wait.",
     )
+    completion_messages: bool = setting(
+        True,
+        group="server",
+        help="Push SGLang's completion message to the ZMQ endpoint (prefill_host, "
+        "embedding_port) a /send names once its bytes landed, and the error to those an "
+        "/encode names when it fails: SGLang's prefill completes a part only on it.",
+    )
+    completion_timeout: float = setting(
+        5.0,
+        group="server",
+        gt=0,
+        help="Seconds a completion message may take to reach its prefill rank; past it, "
+        "that /send gets 502 (completion_failed).",
+    )
 
 
 @dataclass(frozen=True)
@@ -105,6 +135,40 @@ class EncodeReport:
     shape: EmbeddingShape
     receive_count: int | None
     """``None`` while no call has named the count yet."""
+
+
+@dataclass(frozen=True)
+class Part:
+    """Where a request sits in SGLang's split of a prefill request (one part per encode
+    server, ids ``{rid}_local_part_{i}``), and the prefill ranks its ``/encode`` named."""
+
+    num_parts: int = 1
+    part_idx: int = 0
+    endpoints: tuple[Endpoint, ...] = ()
+
+    @staticmethod
+    def family(req_id: str, part: Part) -> str | None:
+        """The request's id without its part suffix, when it is a part of several: siblings
+        share it. None for a whole request."""
+        match = _PART_ID.match(req_id)
+        if part.num_parts < 2 or match is None or int(match.group(2)) != part.part_idx:
+            return None
+        return match.group(1)
+
+
+_PART_ID = re.compile(r"^(.*)_local_part_([0-9]+)$")
+_FAMILY = "parts of\0"  # keys of failed families, apart from req_ids
+
+REMEMBER_FAILURES = 10_000
+"""Failed requests (and families of parts) remembered for their late pulls, at most."""
+
+
+@dataclass
+class _Live:
+    """What the service keeps beside a live scope: its part, and the endpoints named."""
+
+    part: Part
+    endpoints: set[Endpoint]
 
 
 @dataclass(frozen=True)
@@ -144,6 +208,18 @@ class EncodeService:
         self._grace = trio.CancelScope(deadline=math.inf)
         self._shutdown_done = trio.Event()
         self.arrivals = Arrivals()
+        self._nursery = nursery
+        self.completions = (
+            CompletionPusher(timeout=settings.completion_timeout, observer=observer)
+            if settings.completion_messages
+            else None
+        )
+        """Pushes SGLang's completion messages; None when they are turned off."""
+        self._live: dict[str, _Live] = {}
+        self._failures: OrderedDict[str, tuple[Failure, float, bool]] = OrderedDict()
+        """Recent failures by req_id (or part family): ``(failure, when, retryable)``. A pull
+        arriving after its request failed gets the failure at once, also where the scope left
+        no tombstone (bad input: a corrected /encode may reuse the id, ``retryable``)."""
 
     @classmethod
     @asynccontextmanager
@@ -165,6 +241,8 @@ class EncodeService:
                 observer=observer or NullObserver(),
             )
             await nursery.start(service.ledger.run)
+            if service.completions is not None:
+                await nursery.start(service.completions.run)
             arena_lease = await service._register_arena()
             try:
                 await nursery.start(encoder.run)
@@ -199,13 +277,24 @@ class EncodeService:
             log.error("deregistering the arena failed: %s", exc)
 
     async def encode(
-        self, req_id: str, mm_items: Sequence[str], *, receive_count: int | None
+        self,
+        req_id: str,
+        mm_items: Sequence[str],
+        *,
+        receive_count: int | None,
+        part: Part | None = None,
     ) -> EncodeReport:
-        """Run the encoder once for ``req_id``; siblings share the run and its answer."""
+        """Run the encoder once for ``req_id``; siblings share the run and its answer.
+
+        ``part``: where the request sits among its prefill request's parts, and the prefill
+        ranks to tell if the encode fails.
+        """
+        part = part or Part()
         scope = self.registry.find_live(req_id)
         if scope is None:
             if self.registry.closed:
                 raise ShuttingDown("the server is shutting down", req_id=req_id)
+            self._raise_if_family_failed(req_id, part)
             # Check the input before a scope exists: bad input must leave nothing behind.
             try:
                 images = await self.encoder.load_items(mm_items)
@@ -214,6 +303,7 @@ class EncodeService:
             except InvalidInput as exc:
                 # Pulls already waiting for this id learn why now, not at their timeout.
                 self.arrivals.announce(req_id, error=exc)
+                self._failed(req_id, part, set(part.endpoints), Failure.of(exc), retryable=True)
                 raise
 
             async def run_encoder() -> EmbeddingMemory:
@@ -222,11 +312,110 @@ class EncodeService:
             scope = await self.registry.open(
                 req_id, receive_count=receive_count, encode=run_encoder
             )
+            if req_id not in self._live:
+                self._failures.pop(req_id, None)  # a corrected retry of a bad request
+                live = self._live[req_id] = _Live(part, set(part.endpoints))
+                self._nursery.start_soon(self._follow, scope, live)
             self.arrivals.announce(req_id)
         else:
             scope.check_receive_count(receive_count)
+        known = self._live.get(req_id)
+        if known is not None:
+            known.endpoints.update(part.endpoints)
         shape = await scope.wait_encoded()
         return EncodeReport(shape, scope.receive_count)
+
+    async def _follow(self, scope: RequestScope, live: _Live) -> None:
+        """Beside each scope: when its encode fails, tell every prefill rank named so far and
+        end its sibling parts here; forget it when it ends."""
+        try:
+            try:
+                await scope.wait_encoded()
+            except RequestError as exc:
+                failure = scope.failure or Failure.of(exc)
+                retryable = scope.end_reason in ("invalid_input", "refused")
+                self._failed(scope.req_id, live.part, live.endpoints, failure, retryable=retryable)
+            await scope.wait_ended()
+        finally:
+            if self._live.get(scope.req_id) is live:
+                del self._live[scope.req_id]
+
+    def _failed(
+        self,
+        req_id: str,
+        part: Part,
+        endpoints: set[Endpoint],
+        failure: Failure,
+        *,
+        retryable: bool,
+    ) -> None:
+        """``req_id`` failed: remember why for its late pulls, push the error to each rank
+        named, and end its sibling parts on this server (their ranks will never send them)."""
+        self._remember_failure(req_id, failure, retryable=retryable)
+        for endpoint in endpoints:
+            self._push_error(endpoint, req_id, part, failure)
+        family = Part.family(req_id, part)
+        if family is None:
+            return
+        sibling_failure = Failure(
+            failure.error_type, f"part {part.part_idx} of this request failed: {failure.message}"
+        )
+        self._remember_failure(_FAMILY + family, sibling_failure, retryable=False)
+        for index in range(part.num_parts):
+            sibling = f"{family}_local_part_{index}"
+            if sibling == req_id:
+                continue
+            self.arrivals.announce(sibling, error=sibling_failure.error(sibling))
+            scope = self.registry.live(sibling)
+            if scope is not None:
+                scope.abandon(sibling_failure)
+
+    def _remember_failure(self, key: str, failure: Failure, *, retryable: bool) -> None:
+        now = trio.current_time()
+        self._failures[key] = (failure, now, retryable)
+        self._failures.move_to_end(key)
+        while self._failures:
+            _, at, _ = next(iter(self._failures.values()))
+            if len(self._failures) <= REMEMBER_FAILURES and now - at <= self.settings.pull_timeout:
+                break
+            self._failures.popitem(last=False)
+
+    def _recent_failure(self, key: str) -> tuple[Failure, bool] | None:
+        entry = self._failures.get(key)
+        if entry is None or trio.current_time() - entry[1] > self.settings.pull_timeout:
+            return None
+        return entry[0], entry[2]
+
+    def _raise_if_failed(self, req_id: str, part: Part | None = None) -> None:
+        """A call for a request that failed recently (no live scope) gets its error now."""
+        own = self._recent_failure(req_id)
+        if own is not None:
+            raise own[0].error(req_id)
+        self._raise_if_family_failed(req_id, part)
+
+    def _raise_if_family_failed(self, req_id: str, part: Part | None) -> None:
+        match = _PART_ID.match(req_id)
+        if match is None or (part is not None and Part.family(req_id, part) is None):
+            return
+        sibling = self._recent_failure(_FAMILY + match.group(1))
+        if sibling is not None:
+            raise sibling[0].error(req_id)
+
+    def _push_error(self, endpoint: Endpoint, req_id: str, part: Part, failure: Failure) -> None:
+        """Tell one prefill rank that this part failed, in the background (best effort)."""
+        if self.completions is None or self.registry.closed:
+            return
+        message = CompletionMessage.failed(
+            req_id, part.num_parts, part.part_idx, failure.message, failure.error_type.status
+        )
+        self._nursery.start_soon(self._push_quietly, endpoint, message)
+
+    async def _push_quietly(self, endpoint: Endpoint, message: CompletionMessage) -> None:
+        assert self.completions is not None
+        try:
+            await self.completions.push(endpoint, message.to_bytes(), kind="error")
+        except CompletionFailed as exc:
+            log.warning("error message not delivered: %s", exc, extra={"req_id": message.req_id})
 
     async def pull(self, req_id: str, *, receive_count: int | None = None) -> EncodeReport:
         """Wait for ``req_id``'s encode to publish its shape, without starting one.
@@ -238,6 +427,7 @@ class EncodeService:
         if scope is None:
             if self.registry.closed:
                 raise ShuttingDown("the server is shutting down", req_id=req_id)
+            self._raise_if_failed(req_id)
             with trio.move_on_after(self.settings.pull_timeout) as waited:
                 await self.arrivals.wait(req_id)
             if waited.cancelled_caught:
@@ -259,18 +449,52 @@ class EncodeService:
         receiver: Receiver,
         *,
         receive_count: int | None = None,
+        notify: Endpoint | None = None,
+        part_idx: int | None = None,
     ) -> SendReport:
-        """Transfer ``req_id``'s embedding into ``receiver``; returns once the bytes landed.
+        """Transfer ``req_id``'s embedding into ``receiver``; returns once the bytes landed
+        and, when ``notify`` names a prefill rank, once that rank has SGLang's completion
+        message (:class:`CompletionFailed` if it cannot be delivered).
 
-        A receiver that already got its bytes and asks again after the request completed (its
-        answer was lost) gets the same answer, marked as a repeat, instead of 410.
+        The message goes before the 200: SGLang's rank fails a request at once on a non-200
+        ``/send``, while a 200 without the message leaves it waiting for its own timeout. A
+        repeat (a receiver already served, whose answer was lost) moves nothing and pushes
+        nothing: a second message for a part fails SGLang's request as a duplicate.
+        A send for a request that failed pushes the failure to ``notify`` too.
         """
         repeat = self.registry.repeat_send(req_id, receiver)
         if repeat is not None:
             return repeat
-        scope = self.registry.require_live(req_id)
-        scope.check_receive_count(receive_count)
-        return await scope.send(receiver)
+        live = self._live.get(req_id)  # taken now: the scope may end before the push
+        part = live.part if live is not None else Part(max(1, (part_idx or 0) + 1), part_idx or 0)
+        try:
+            scope = self.registry.find_live(req_id)
+            if scope is None:
+                self._raise_if_failed(req_id)
+                scope = self.registry.require_live(req_id)
+            scope.check_receive_count(receive_count)
+            report = await scope.send(receiver)
+        except RequestError as exc:
+            if notify is not None:
+                self._push_error(notify, req_id, part, Failure.of(exc))
+            raise
+        if notify is not None and self.completions is not None and not report.repeat:
+            shape = report.shape
+            message = CompletionMessage(
+                req_id,
+                part.num_parts,
+                part.part_idx,
+                grid_dim=grid_dim(shape.grids),
+                shape=(shape.rows, shape.dim),
+                dtype=shape.dtype,
+            )
+            try:
+                await self.completions.push(notify, message.to_bytes(), kind="done")
+            except CompletionFailed as exc:
+                exc.req_id = req_id
+                log.error("%s", exc.message, extra={"req_id": req_id})
+                raise
+        return report
 
     def end_grace(self) -> None:
         """Cut a running shutdown's grace period short: live scopes are cancelled now."""

@@ -72,6 +72,9 @@ class RecordingObserver:
     def quarantine_changed(self, regions: int, nbytes: int) -> None:
         self._add("quarantine_changed", regions, nbytes)
 
+    def completion_pushed(self, kind: str, *, ok: bool) -> None:
+        self._add("completion_pushed", kind, ok)
+
 
 def make_embedding(seed: int, rows: int = 64, dim: int = 32) -> Embedding:
     """A float32 embedding whose bytes depend on ``seed``."""

@@ -35,7 +35,7 @@ from trio_encode.server.schemas import (
     pull_answer,
     send_answer,
 )
-from trio_encode.service import EncodeService
+from trio_encode.service import EncodeService, Part
 from trio_encode.settings import ServerSettings
 
 _PROTECTED = frozenset({"/encode", "/send", "/scheduler_receive_meta_data"})
@@ -86,7 +86,10 @@ def create_app(service: EncodeService, metrics: Metrics, settings: ServerSetting
             EncodeRequest, await request.get_data(cache=False, as_text=False, parse_form_data=False)
         )
         g.req_id = body.req_id
-        report = await service.encode(body.req_id, body.urls, receive_count=body.receive_count)
+        part = Part(body.num_parts or 1, body.part_idx or 0, body.endpoints)
+        report = await service.encode(
+            body.req_id, body.urls, receive_count=body.receive_count, part=part
+        )
         return jsonify(encode_answer(body, report))
 
     @app.post("/scheduler_receive_meta_data")
@@ -105,7 +108,13 @@ def create_app(service: EncodeService, metrics: Metrics, settings: ServerSetting
         )
         g.req_id = body.req_id
         receiver = Receiver(body.session_id, body.buffer_address)
-        report = await service.send(body.req_id, receiver, receive_count=body.receive_count)
+        report = await service.send(
+            body.req_id,
+            receiver,
+            receive_count=body.receive_count,
+            notify=body.endpoint,
+            part_idx=body.part_idx,
+        )
         return jsonify(send_answer(body.req_id, report))
 
     def not_ready() -> Response | None:

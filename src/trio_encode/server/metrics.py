@@ -214,6 +214,13 @@ class Metrics:
             ["call", "code"],
             registry=r,
         )
+        self.completion_messages = Counter(
+            METRIC_PREFIX + "completion_messages",
+            "SGLang completion messages pushed to prefill ranks, by kind (done, error) and "
+            "result (sent, failed).",
+            ["kind", "result"],
+            registry=r,
+        )
         # Until attach() names a service, count the live ones from events.
         self._open_scopes = 0
         self._held_registrations = 0
@@ -344,6 +351,9 @@ class Metrics:
     def quarantine_changed(self, regions: int, nbytes: int) -> None:
         self.quarantined_registrations.set(regions)
         self.quarantined_bytes.set(nbytes)
+
+    def completion_pushed(self, kind: str, *, ok: bool) -> None:
+        self.completion_messages.labels(kind=kind, result="sent" if ok else "failed").inc()
 
     # -- EncoderObserver ----------------------------------------------------------------------
 

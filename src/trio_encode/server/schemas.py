@@ -25,6 +25,7 @@ from pydantic import (
     model_validator,
 )
 
+from trio_encode.completion import Endpoint
 from trio_encode.errors import InvalidInput
 from trio_encode.request_types import EmbeddingShape, SendReport, grid_dim
 from trio_encode.service import EncodeReport
@@ -85,6 +86,20 @@ class EncodeRequest(_Body):
             )
         return self
 
+    @model_validator(mode="after")
+    def _endpoints_valid(self) -> EncodeRequest:
+        self.endpoints  # noqa: B018 - raises ValueError for a bad host or port
+        return self
+
+    @property
+    def endpoints(self) -> tuple[Endpoint, ...]:
+        """The prefill ranks' ZMQ endpoints this body names (told if the encode fails)."""
+        if self.prefill_host is None or self.embedding_port is None:
+            return ()
+        ports = self.embedding_port
+        ports = ports if isinstance(ports, list) else [ports]
+        return tuple(Endpoint(self.prefill_host, port) for port in dict.fromkeys(ports))
+
     @property
     def urls(self) -> list[str]:
         """The items as the strings the encoder loads."""
@@ -104,6 +119,24 @@ class SendRequest(_Body):
     session_id: StrictStr
     buffer_address: Annotated[StrictInt, Field(gt=0, lt=1 << 64)]
     receive_count: Count | None = None
+    prefill_host: StrictStr | None = None
+    embedding_port: StrictInt | list[StrictInt] | None = None
+    """An int names the rank's ZMQ endpoint (with ``prefill_host``): SGLang's completion
+    message goes there once the bytes landed. A list (an echoed ``/encode`` answer) names
+    no single rank and is ignored."""
+    part_idx: Annotated[StrictInt, Field(ge=0)] | None = None
+
+    @model_validator(mode="after")
+    def _endpoint_valid(self) -> SendRequest:
+        self.endpoint  # noqa: B018 - raises ValueError for a bad host or port
+        return self
+
+    @property
+    def endpoint(self) -> Endpoint | None:
+        """The rank's ZMQ endpoint, if the body names one."""
+        if self.prefill_host is None or not isinstance(self.embedding_port, int):
+            return None
+        return Endpoint(self.prefill_host, self.embedding_port)
 
     @field_validator("session_id")
     @classmethod

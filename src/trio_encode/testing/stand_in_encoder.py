@@ -2,8 +2,10 @@
 
 The embedding of an image is a pure function of its bytes (:func:`expected_embedding`), so a
 test can compute what every receiver must hold without asking the server. Images whose bytes
-start with ``SLOW`` take ``slow_seconds`` to encode and those starting with ``FAIL`` make the
-encoder raise, so tests can steer timing and failures through the request body alone.
+start with ``SLOW`` take ``slow_seconds`` to encode, those starting with ``FAIL`` make the
+encoder raise, and those starting with ``BAD`` are undecodable (found only when encoding, as a
+real encoder finds a corrupt image), so tests can steer timing and failures through the request
+body alone.
 """
 
 from __future__ import annotations
@@ -73,6 +75,9 @@ class StandInEncoder:
             await trio.sleep(self.slow_seconds)
         if any(image.startswith(b"FAIL") for image in images):
             raise RuntimeError("stand-in encoder told to fail")
+        for index, image in enumerate(images):
+            if image.startswith(b"BAD"):
+                raise InvalidInput(f"mm_items[{index}]: cannot decode the image")
         return Embedding(expected_embedding(images), (None,) * len(images))
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:

@@ -1,0 +1,7 @@
+"""SGLang's completion message: its bytes (:mod:`.message`) and the ZMQ pushes that deliver
+them to prefill ranks (:mod:`.pusher`)."""
+
+from trio_encode.completion.message import CompletionMessage
+from trio_encode.completion.pusher import CompletionPusher, Endpoint
+
+__all__ = ["CompletionMessage", "CompletionPusher", "Endpoint"]
