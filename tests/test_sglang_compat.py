@@ -364,8 +364,7 @@ async def test_an_encode_naming_ranks_tells_each_of_them_it_failed(
                 assert message.shape is None
             text = await harness.settled()
             assert (
-                metric_value(text, "completion_messages_total", kind="error", result="sent")
-                == TP
+                metric_value(text, "completion_messages_total", kind="error", result="sent") == TP
             )
     finally:
         for pull in pulls:
