@@ -205,6 +205,12 @@ MUTANTS: dict[str, Mutant] = {
         "        if True:",
         (FAULTS + "test_a_served_receiver_that_retries_after_completion_gets_its_answer_again",),
     ),
+    "the tombstone limit forgets the newest ended request": Mutant(
+        "scopes.py",
+        "            self._released.popitem(last=False)",
+        "            self._released.popitem(last=True)",
+        ("tests/test_scope_holds.py::test_the_tombstone_limit_forgets_the_oldest_ended_request",),
+    ),
     "a store put reads a segment it does not hold": Mutant(
         "encoder/batcher.py",
         "            segment.arena.lease(segment)\n            done = partial(",

@@ -14,9 +14,12 @@ from trio_encode.engine import ENGINE_CODE_MEANINGS, EngineError
 from trio_encode.errors import (
     ERRORS,
     EngineFailed,
+    HeadersTooLarge,
     Overloaded,
     RequestError,
+    RequestTimedOut,
     ShuttingDown,
+    UnsupportedMediaType,
     error_class,
 )
 
@@ -95,3 +98,28 @@ def test_the_contract_document_lists_every_kind_with_its_status() -> None:
         (int(status), kind) for status, kind in re.findall(r"^\| (\d{3}) \| `(\w+)` \|", api, re.M)
     }
     assert documented == {(cls.status, cls.kind) for cls in ERRORS}
+
+
+async def test_quarts_own_refusals_keep_their_status_and_kind() -> None:
+    """A status Quart (or werkzeug) raises before a handler runs is answered with its own
+    class, never as an internal error; the client turns it back into that class."""
+    from quart import abort
+    from quart_trio import QuartTrio
+
+    from trio_encode.server.errors import install_error_handlers
+
+    app = QuartTrio(__name__)
+    install_error_handlers(app)
+
+    @app.route("/refuse/<int:status>")
+    async def refuse(status: int) -> str:
+        abort(status)
+
+    expected = {408: RequestTimedOut, 415: UnsupportedMediaType, 431: HeadersTooLarge}
+    async with app.test_app() as test_app:
+        client = test_app.test_client()
+        for status, cls in expected.items():
+            response = await client.get(f"/refuse/{status}")
+            body = await response.get_json()
+            assert (response.status_code, body["error"]) == (status, cls.kind)
+            assert type(error_of(status, body)) is cls

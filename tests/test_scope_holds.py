@@ -21,9 +21,9 @@ import trio.testing
 from support.lifecycle_rig import make_embedding
 from trio_encode.arrivals import Arrivals
 from trio_encode.embedding import Embedding
-from trio_encode.errors import InvalidInput, RequestReleased
+from trio_encode.errors import InvalidInput, RequestReleased, UnknownRequest
 from trio_encode.request_types import Receiver
-from trio_encode.service import EncodeService
+from trio_encode.service import EncodeService, ServiceSettings
 from trio_encode.testing.memory_engine import InMemoryFabric
 
 
@@ -129,3 +129,28 @@ async def test_an_encode_arriving_while_a_completed_scope_releases_gets_410(
         await trio.testing.wait_all_tasks_blocked()
         with pytest.raises(RequestReleased):  # and after it, the tombstone says the same
             await service.encode("r1", ["img:a"], receive_count=1)
+
+
+async def test_the_tombstone_limit_forgets_the_oldest_ended_request(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """With room for two tombstones, a third ended request pushes out the first: the newest
+    (whose rank may still retry a lost answer) is remembered, the oldest is not."""
+    fabric = InMemoryFabric()
+    settings = ServiceSettings(remember_released=2)
+    async with EncodeService.running(
+        engine=fabric.engine("encoder"), encoder=WatchedEncoder(), settings=settings
+    ) as service:
+        rank = fabric.engine("rank0")
+        buffer = torch.zeros(1 << 16, dtype=torch.uint8)
+        await rank.register(int(buffer.data_ptr()), buffer.numel())
+        receiver = Receiver(rank.session_id, int(buffer.data_ptr()))
+        for req_id in ("r1", "r2", "r3"):
+            await service.encode(req_id, ["img:a"], receive_count=1)
+            await service.send(req_id, receiver)
+            await trio.testing.wait_all_tasks_blocked()
+            await trio.sleep(1)
+        assert (await service.send("r3", receiver)).repeat  # its lost answer, again
+        assert (await service.send("r2", receiver)).repeat
+        with pytest.raises(UnknownRequest):
+            await service.send("r1", receiver)

@@ -53,7 +53,8 @@ class InvalidInput(RequestError):
 
 
 class RequestRejected(RequestError):
-    """The request was refused before its body was looked at (401, 404 route, 405, 413)."""
+    """The request was refused before its body was looked at (401, 404 route, 405, 408, 413,
+    415, 431)."""
 
 
 class Unauthorized(RequestRejected):
@@ -82,6 +83,27 @@ class TooLarge(RequestRejected):
 
     status = 413
     kind = "too_large"
+
+
+class RequestTimedOut(RequestRejected):
+    """The request (its body) did not arrive within the server's read timeout (408)."""
+
+    status = 408
+    kind = "request_timeout"
+
+
+class UnsupportedMediaType(RequestRejected):
+    """The body's media type is not one the route reads (415)."""
+
+    status = 415
+    kind = "unsupported_media_type"
+
+
+class HeadersTooLarge(RequestRejected):
+    """The request's header fields are larger than the server accepts (431)."""
+
+    status = 431
+    kind = "headers_too_large"
 
 
 class UnknownRequest(RequestError):
@@ -194,6 +216,9 @@ ERRORS: tuple[type[RequestError], ...] = (
     NoSuchRoute,
     MethodNotAllowed,
     TooLarge,
+    RequestTimedOut,
+    UnsupportedMediaType,
+    HeadersTooLarge,
     UnknownRequest,
     ReceiveCountConflict,
     RequestReleased,

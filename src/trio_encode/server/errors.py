@@ -2,8 +2,9 @@
 
 ``{"status": "error", "error": kind, "message": ..., "req_id": ...}`` for every 4xx and 5xx,
 whatever raised it: a service error, an engine error (which adds ``engine_call``,
-``engine_code`` and ``engine_meaning``), Quart itself (404 route, 405, 413), or a bug. A bug is
-answered with a generic 500 and logged with its traceback here, never sent to the client.
+``engine_code`` and ``engine_meaning``), Quart itself (404 route, 405, 408, 413, 415, 431), or
+a bug. A bug is answered with a generic 500 and logged with its traceback here, never sent to
+the client.
 A 503 carries ``Retry-After``; a 401 carries ``WWW-Authenticate: Bearer``.
 """
 
@@ -18,13 +19,16 @@ from werkzeug.exceptions import HTTPException
 from trio_encode.engine import EngineError
 from trio_encode.errors import (
     EngineFailed,
+    HeadersTooLarge,
     InternalError,
     InvalidInput,
     MethodNotAllowed,
     NoSuchRoute,
     RequestError,
+    RequestTimedOut,
     TooLarge,
     Unauthorized,
+    UnsupportedMediaType,
 )
 
 log = logging.getLogger(__name__)
@@ -35,7 +39,10 @@ _HTTP_ERRORS: dict[int, tuple[type[RequestError], str]] = {
     401: (Unauthorized, "missing or wrong bearer token (Authorization: Bearer ...)"),
     404: (NoSuchRoute, "no such route"),
     405: (MethodNotAllowed, "method not allowed on this route"),
+    408: (RequestTimedOut, "the request did not arrive in time"),
     413: (TooLarge, "the request body is larger than this server accepts"),
+    415: (UnsupportedMediaType, "the body's media type is not one this route reads"),
+    431: (HeadersTooLarge, "the request's headers are larger than this server accepts"),
 }
 
 
