@@ -22,7 +22,7 @@ import trio
 
 from trio_encode.client import metric_value
 from trio_encode.encoder import EncoderSettings
-from trio_encode.tools.soak.drill import Call, Rank, Workload, post
+from trio_encode.tools.soak.drill import Call, CheckedImages, Rank, post
 from trio_encode.tools.soak.receiver import ReceiverProcess, open_receiver
 from trio_encode.tools.soak.server import ServerProcess, open_server_process
 
@@ -41,8 +41,8 @@ SERVER_ARGS = [
 
 
 @pytest.fixture(scope="module")
-def workload() -> Workload:
-    return Workload.build(TINY, 12)
+def workload() -> CheckedImages:
+    return CheckedImages.build(TINY, 12)
 
 
 @dataclass
@@ -50,7 +50,7 @@ class Deployment:
     server: ServerProcess
     ranks: list[Rank]
     http: httpx.AsyncClient
-    workload: Workload
+    workload: CheckedImages
     nursery: trio.Nursery
 
     async def encode(self, req_id: str, image: int, receive_count: int, rank: Rank) -> Call:
@@ -123,7 +123,7 @@ class Deployment:
 
 @asynccontextmanager
 async def deployment(
-    workload: Workload, ranks: int = 4, send_timeout: float = SEND_TIMEOUT
+    workload: CheckedImages, ranks: int = 4, send_timeout: float = SEND_TIMEOUT
 ) -> AsyncIterator[Deployment]:
     env = {"MC_TRANSFER_TIMEOUT": str(TRANSFER_TIMEOUT)}
     args = [*SERVER_ARGS, "--send-timeout", str(send_timeout)]
@@ -151,7 +151,7 @@ async def deployment(
 
 
 async def test_a_rank_frozen_under_a_transfer_fails_alone_within_the_engine_timeout(
-    workload: Workload,
+    workload: CheckedImages,
 ) -> None:
     with trio.fail_after(60):
         # The request outlives the frozen transfer, so the rank's retry can still complete it.
@@ -218,7 +218,7 @@ async def _thaw_after(receiver: ReceiverProcess, seconds: float) -> None:
 
 
 async def test_a_killed_rank_fails_fast_and_its_request_ends_by_the_backstop(
-    workload: Workload,
+    workload: CheckedImages,
 ) -> None:
     with trio.fail_after(60):
         async with deployment(workload) as d:
@@ -239,7 +239,7 @@ async def test_a_killed_rank_fails_fast_and_its_request_ends_by_the_backstop(
             assert (late.status, late.shape_ok) == (410, True)
 
 
-async def test_a_client_that_vanishes_mid_body_leaves_nothing(workload: Workload) -> None:
+async def test_a_client_that_vanishes_mid_body_leaves_nothing(workload: CheckedImages) -> None:
     with trio.fail_after(60):
         async with deployment(workload, ranks=2) as d:
             body = json.dumps(
@@ -267,7 +267,7 @@ async def test_a_client_that_vanishes_mid_body_leaves_nothing(workload: Workload
 
 
 async def test_a_client_that_vanishes_after_encode_costs_only_its_own_request(
-    workload: Workload,
+    workload: CheckedImages,
 ) -> None:
     with trio.fail_after(60):
         async with deployment(workload, ranks=2) as d:
@@ -285,7 +285,7 @@ async def test_a_client_that_vanishes_after_encode_costs_only_its_own_request(
 
 
 async def test_clients_that_vanish_mid_send_never_get_a_write_after_their_retrys_answer(
-    workload: Workload,
+    workload: CheckedImages,
 ) -> None:
     """Each /send is cut off after a different delay, then retried from the same slot: the
     retry's answer is 200 with the right bytes, or 410 when the cut-off send had already
@@ -316,7 +316,7 @@ async def test_clients_that_vanish_mid_send_never_get_a_write_after_their_retrys
 
 
 async def test_sigterm_under_load_answers_every_call_by_the_contract_and_releases_all(
-    workload: Workload,
+    workload: CheckedImages,
 ) -> None:
     with trio.fail_after(90):
         async with deployment(workload) as d:

@@ -13,8 +13,7 @@ goes to stdout.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import AsyncExitStack, contextmanager
+from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -23,15 +22,6 @@ import trio
 from pydantic import ConfigDict
 from pydantic.dataclasses import dataclass as settings_dataclass
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    SpinnerColumn,
-    TaskID,
-    TextColumn,
-    TimeElapsedColumn,
-)
 from rich.table import Table
 
 from trio_encode.client import EncodeClient, EncodeResult, LandingPool, LandingSlot, metric_value
@@ -43,6 +33,7 @@ from trio_encode.server.metrics import Metrics
 from trio_encode.server.serve import open_server
 from trio_encode.settings import LogLevel, ServerSettings
 from trio_encode.testing.images import noise_uri
+from trio_encode.tools.progress import Steps
 
 
 @settings_dataclass(frozen=True, config=ConfigDict(extra="forbid"))
@@ -116,44 +107,9 @@ class DemoOutcome:
         return "\n".join(lines)
 
 
-class _Steps:
-    """The progress display: one line per step, a bar where the step can be counted."""
-
-    def __init__(self, enabled: bool) -> None:
-        self._progress = Progress(
-            SpinnerColumn(finished_text="[green]done"),
-            TextColumn("{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            console=Console(stderr=True),
-            disable=not enabled,
-        )
-
-    def __enter__(self) -> _Steps:
-        self._progress.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._progress.stop()
-
-    @contextmanager
-    def step(self, description: str, total: int = 1) -> Iterator[Callable[[], None]]:
-        """A step of ``total`` parts; the caller advances it by calling what it gets."""
-        task = self.begin(description, total)
-        yield partial(self._progress.advance, task)
-        self.finish(task)
-
-    def begin(self, description: str, total: int = 1) -> TaskID:
-        return self._progress.add_task(description, total=total)
-
-    def finish(self, task: TaskID) -> None:
-        self._progress.update(task, completed=self._progress.tasks[task].total)
-
-
 async def run_demo(settings: ServerSettings, config: DemoSettings) -> DemoOutcome:
     """Run the demo; prints progress (unless switched off) and the final table."""
-    with _Steps(config.progress) as steps:
+    with Steps(config.progress) as steps:
         outcome = await _run(settings, config, steps)
     console = Console()
     console.print(outcome.table())
@@ -161,7 +117,7 @@ async def run_demo(settings: ServerSettings, config: DemoSettings) -> DemoOutcom
     return outcome
 
 
-async def _run(settings: ServerSettings, config: DemoSettings, steps: _Steps) -> DemoOutcome:
+async def _run(settings: ServerSettings, config: DemoSettings, steps: Steps) -> DemoOutcome:
     from trio_encode.engine.mooncake import MooncakeEngine
 
     requests, images, tp = config.requests, config.images, config.tp

@@ -49,6 +49,7 @@ from trio_encode.engine.mooncake import MooncakeEngine, MooncakeSettings
 from trio_encode.errors import RequestError
 from trio_encode.settings import ServerSettings, child_environment, serve_flags, server_settings
 from trio_encode.testing.images import noise_uri
+from trio_encode.tools.progress import Steps
 
 _SLOT_BYTES = 16 << 20  # room for one request's embedding per concurrent request and rank
 _STORE_SEGMENT_BYTES = 256 << 20  # each encoder's share of the store
@@ -77,6 +78,7 @@ class FleetDemoConfig:
         group="fleet",
         help="Start a mooncake_master and share embeddings through Mooncake Store.",
     )
+    progress: bool = setting(True, group="fleet", help="Show progress on stderr while it runs.")
     route_by: RouteBy = setting(
         "content",
         group="fleet",
@@ -108,7 +110,9 @@ class FleetDemoConfig:
 
 
 @dataclass
-class EncoderRow:
+class EncoderCounts:
+    """One encoder's counters, read from its ``/metrics`` (and ``served`` from the ranks)."""
+
     url: str
     served: int = 0
     forwards: float = 0.0
@@ -119,10 +123,27 @@ class EncoderRow:
     killed: bool = False
 
 
+COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("served", "served", "rank-requests it answered; each one's bytes landed and were checked"),
+    ("forwards", "forwards", "images its model ran (an image found in a cache runs none)"),
+    ("local hits", "local_hits", "images found in its own embedding cache"),
+    ("store hits", "store_hits", "images read from Mooncake Store, put there by an encoder"),
+    ("store misses", "store_misses", "images the store did not hold yet: computed, then offered"),
+    (
+        "store failed",
+        "store_failures",
+        "store lookups that failed (an error, e.g. an entry held in the killed encoder's "
+        "memory; a timeout; no connection yet): the image was computed instead, so no rank "
+        "saw it",
+    ),
+)
+"""The table's counters: header, field of :class:`EncoderCounts`, what it counts."""
+
+
 @dataclass
 class FleetOutcome:
     config: FleetDemoConfig
-    rows: list[EncoderRow] = field(default_factory=list)
+    rows: list[EncoderCounts] = field(default_factory=list)
     served: int = 0
     bytes_checked: int = 0
     failovers: int = 0
@@ -139,41 +160,35 @@ class FleetOutcome:
         return sum(row.forwards for row in self.rows)
 
     def table(self) -> str:
+        """Per encoder, its counters and state; the totals; what each counter means; the
+        verdict."""
         c = self.config
-        head = (
-            f"{'encoder':<24} {'served':>7} {'forwards':>9} {'local hits':>11} "
-            f"{'store hits':>11} {'store misses':>13} {'store failed':>13}  state"
+        widths = [max(8, len(header) + 1) for header, _, _ in COLUMNS]
+        head = f"{'encoder':<24}" + "".join(
+            f" {header:>{w}}" for (header, _, _), w in zip(COLUMNS, widths, strict=True)
         )
+        head += "  state"
+
+        def line(name: str, values: list[float], state: str) -> str:
+            cells = "".join(f" {value:>{w}.0f}" for value, w in zip(values, widths, strict=True))
+            return f"{name:<24}{cells}  {state}".rstrip()
+
         lines = [head, "-" * len(head)]
         for row in self.rows:
-            lines.append(
-                f"{row.url.removeprefix('http://'):<24} {row.served:>7} {row.forwards:>9.0f} "
-                f"{row.local_hits:>11.0f} {row.store_hits:>11.0f} {row.store_misses:>13.0f} "
-                f"{row.store_failures:>13.0f}  "
-                + ("killed half-way (counts at the kill)" if row.killed else "up")
-            )
-        total = EncoderRow(
-            "total",
-            served=sum(r.served for r in self.rows),
-            forwards=self.forwards,
-            local_hits=sum(r.local_hits for r in self.rows),
-            store_hits=sum(r.store_hits for r in self.rows),
-            store_misses=sum(r.store_misses for r in self.rows),
-            store_failures=sum(r.store_failures for r in self.rows),
-        )
-        lines.append("-" * len(head))
-        lines.append(
-            f"{'total':<24} {total.served:>7} {total.forwards:>9.0f} {total.local_hits:>11.0f} "
-            f"{total.store_hits:>11.0f} {total.store_misses:>13.0f} "
-            f"{total.store_failures:>13.0f}"
-        )
+            state = "killed half-way (counts at the kill)" if row.killed else "up"
+            values = [getattr(row, name) for _, name, _ in COLUMNS]
+            lines.append(line(row.url.removeprefix("http://"), values, state))
+        totals = [sum(getattr(row, name) for row in self.rows) for _, name, _ in COLUMNS]
+        lines += ["-" * len(head), line("total", totals, "")]
+        lines += [""] + [f"{header:>14}: {meaning}" for header, _, meaning in COLUMNS]
         lines += [
             "",
             f"routing by {c.route_by}, store {'on' if c.store else 'off'}: "
             f"{c.requests} requests x {c.ranks} ranks over {c.encoders} encoders, "
             f"{c.distinct} distinct images, in {self.seconds:.1f} s",
             f"requests served {self.served} of {c.requests * c.ranks} rank-requests; "
-            f"bytes checked {self.bytes_checked / 1e6:.1f} MB; failovers {self.failovers}",
+            f"bytes checked {self.bytes_checked / 1e6:.1f} MB; failovers {self.failovers} "
+            "(a rank's request retried on the next encoder)",
             f"forwards run {self.forwards:.0f} for {c.distinct} distinct images",
         ]
         lines += [f"FAILED: {failure}" for failure in self.failures]
@@ -239,7 +254,8 @@ async def run_fleet_demo(config: FleetDemoConfig) -> FleetOutcome:
     directory with the processes' logs."""
     outcome = FleetOutcome(config, logs=Path(tempfile.mkdtemp(prefix="trio-encode-fleet-")))
     try:
-        await _run_cluster(config, outcome)
+        with Steps(config.progress) as steps:
+            await _run_cluster(config, outcome, steps)
     except RuntimeError as exc:
         raise RuntimeError(f"{exc} (logs in {outcome.logs})") from exc
     if outcome.ok and outcome.logs is not None:
@@ -248,13 +264,14 @@ async def run_fleet_demo(config: FleetDemoConfig) -> FleetOutcome:
     return outcome
 
 
-async def _run_cluster(config: FleetDemoConfig, outcome: FleetOutcome) -> None:
+async def _run_cluster(config: FleetDemoConfig, outcome: FleetOutcome, steps: Steps) -> None:
     assert outcome.logs is not None
     logs = outcome.logs
     async with AsyncExitStack() as stack:
         http = await stack.enter_async_context(httpx.AsyncClient(timeout=5))
         master_address: str | None = None
         if config.store:
+            started = steps.begin("starting mooncake_master (the store's master)")
             port = _free_port()
             master = await stack.enter_async_context(
                 _process(
@@ -275,6 +292,7 @@ async def _run_cluster(config: FleetDemoConfig, outcome: FleetOutcome) -> None:
 
             await _until("mooncake_master", 20, master, listening)
             master_address = f"127.0.0.1:{port}"
+            steps.finish(started)
 
         urls: list[str] = []
         processes: list[trio.Process] = []
@@ -292,6 +310,11 @@ async def _run_cluster(config: FleetDemoConfig, outcome: FleetOutcome) -> None:
                     )
                 )
             )
+        starting = steps.begin(
+            f"starting {config.encoders} encoders (each loads its model"
+            + (", then joins the store)" if config.store else ")"),
+            config.encoders,
+        )
         for url, process in zip(urls, processes, strict=True):
 
             async def ready(url: str = url) -> bool:
@@ -303,8 +326,13 @@ async def _run_cluster(config: FleetDemoConfig, outcome: FleetOutcome) -> None:
                 return metric_value(text, "store_connected") == 1
 
             await _until(f"encoder {url}", 120, process, ready)
+            steps.advance(starting)
 
-        engines = [await MooncakeEngine.create(MooncakeSettings()) for _ in range(config.ranks)]
+        with steps.step(f"starting {config.ranks} ranks' Mooncake engines", config.ranks) as one:
+            engines = []
+            for _ in range(config.ranks):
+                engines.append(await MooncakeEngine.create(MooncakeSettings()))
+                one()
         pools = [
             await stack.enter_async_context(
                 LandingPool.open(engine, config.concurrency * _SLOT_BYTES)
@@ -315,7 +343,7 @@ async def _run_cluster(config: FleetDemoConfig, outcome: FleetOutcome) -> None:
             await stack.enter_async_context(FleetClient.open(urls, route_by=config.route_by))
             for _ in range(config.ranks)
         ]
-        await _workload(config, urls, processes, pools, clients, http, outcome)
+        await _workload(config, urls, processes, pools, clients, http, outcome, steps)
         for client in clients:
             outcome.failovers += client.stats.failovers
 
@@ -328,12 +356,13 @@ async def _workload(
     clients: list[FleetClient],
     http: httpx.AsyncClient,
     outcome: FleetOutcome,
+    steps: Steps,
 ) -> None:
     images = [noise_uri(seed, 224) for seed in range(config.distinct)]
     order = [n % config.distinct for n in range(config.requests)]
     random.Random(0).shuffle(order)
     checksums: dict[int, str] = {}
-    rows = {url: EncoderRow(url) for url in urls}
+    rows = {url: EncoderCounts(url) for url in urls}
     outcome.rows = list(rows.values())
     limit = trio.Semaphore(config.concurrency)
     half = trio.Event()
@@ -370,6 +399,7 @@ async def _workload(
         finally:
             if slot is not None:
                 slot.release()
+            sent()
 
     async def request(req: int) -> None:
         nonlocal done
@@ -385,22 +415,29 @@ async def _workload(
         await _read_counts(http, rows[victim])
         processes[-1].kill()
         rows[victim].killed = True
+        steps.finish(steps.begin(f"killed encoder {victim.removeprefix('http://')} half-way"))
 
     started = trio.current_time()
+    killing = config.kill and config.encoders > 1
+    sending = f"/encode + /send from {config.ranks} ranks" + (
+        ", one encoder killed half-way" if killing else ""
+    )
     async with trio.open_nursery() as nursery:
-        if config.kill and config.encoders > 1:
+        if killing:
             nursery.start_soon(kill_half_way)
-        async with trio.open_nursery() as requests:
-            for req in range(config.requests):
-                requests.start_soon(request, req)
+        with steps.step(sending, config.requests * config.ranks) as sent:
+            async with trio.open_nursery() as requests:
+                for req in range(config.requests):
+                    requests.start_soon(request, req)
         nursery.cancel_scope.cancel()
     outcome.seconds = trio.current_time() - started
-    for row in outcome.rows:
-        if not row.killed:
-            await _read_counts(http, row)
+    with steps.step("reading every encoder's counters"):
+        for row in outcome.rows:
+            if not row.killed:
+                await _read_counts(http, row)
 
 
-async def _read_counts(http: httpx.AsyncClient, row: EncoderRow) -> None:
+async def _read_counts(http: httpx.AsyncClient, row: EncoderCounts) -> None:
     text = (await http.get(row.url + "/metrics")).text
     row.forwards = metric_value(text, "encoder_batch_size_sum")
     row.local_hits = metric_value(text, "encoder_cache_hits_total")

@@ -1,6 +1,6 @@
 """What a fault drill needs to act as prefill ranks against a server it only sees over HTTP.
 
-- :class:`Workload`: images, and the digest of each one's embedding as the model computes it
+- :class:`CheckedImages`: images, and the digest of each one's embedding as the model computes it
   alone (one image, no server, no batching), so every landed byte can be checked;
 - :class:`Rank`: a receiver process carved into fixed slots. A slot whose send answered 200 is
   checked and filled with a marker, and before it is handed out again it must still hold that
@@ -28,7 +28,7 @@ _ENGINE_CODE = re.compile(r"failed with code (-?\d+)")
 
 
 @dataclass(frozen=True)
-class Workload:
+class CheckedImages:
     """Distinct images as data URIs, and the xxh3-64 digest of each one's embedding."""
 
     items: tuple[str, ...]
@@ -36,7 +36,7 @@ class Workload:
     bytes_per_image: int
 
     @classmethod
-    def build(cls, settings: EncoderSettings, count: int, seed: int = 0) -> Workload:
+    def build(cls, settings: EncoderSettings, count: int, seed: int = 0) -> CheckedImages:
         """``count`` natural-looking JPEGs for the model ``settings`` name. Blocking: loads
         the model and runs it once per image."""
         import base64

@@ -50,7 +50,7 @@ from trio_encode.settings import (
     server_settings,
 )
 from trio_encode.testing.faults import DrillSettings, EngineFaults, FaultPlan
-from trio_encode.tools.soak.drill import Call, Rank, Workload, post
+from trio_encode.tools.soak.drill import Call, CheckedImages, Rank, post
 from trio_encode.tools.soak.receiver import ReceiverGone, ReceiverProcess, open_receiver
 from trio_encode.tools.soak.server import ServerProcess, open_server_process
 
@@ -289,7 +289,7 @@ def _rss_windows(samples: list[tuple[float, int]]) -> list[tuple[float, int]]:
 
 
 class _Soak:
-    def __init__(self, config: SoakConfig, workload: Workload, server: ServerProcess) -> None:
+    def __init__(self, config: SoakConfig, workload: CheckedImages, server: ServerProcess) -> None:
         self.config = config
         self.workload = workload
         self.server = server
@@ -516,7 +516,7 @@ class _Soak:
 
 async def run_soak(config: SoakConfig) -> SoakResult:
     """Run the soak described in the module's doc and check it."""
-    workload = await trio.to_thread.run_sync(Workload.build, config.encoder, config.images)
+    workload = await trio.to_thread.run_sync(CheckedImages.build, config.encoder, config.images)
     part = workload.bytes_per_image
     slot_bytes = 2 * part
     slots = config.concurrency + 8
