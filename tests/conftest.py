@@ -138,6 +138,12 @@ class TrackingEngine:
     ) -> None:
         await self.engine.transfer(session_id, segments, remote_address)
 
+    def reading(self, address: int, length: int) -> bool:
+        return self.engine.reading(address, length)
+
+    async def settled(self, address: int, length: int) -> None:
+        await self.engine.settled(address, length)
+
     async def cleanup(self) -> None:
         for address in sorted(self.live):
             await self.engine.deregister(address)

@@ -34,6 +34,7 @@ BROAD = (
 INVARIANTS = "tests/test_scope_invariants.py::"
 FAULTS = "tests/test_scope_faults.py::"
 EXPLORE = "tests/test_explore.py::"
+HELD = "tests/test_scope_held_memory.py::"
 
 
 @dataclass(frozen=True)
@@ -216,6 +217,22 @@ MUTANTS: dict[str, Mutant] = {
         "            segment.arena.lease(segment)\n            done = partial(",
         "            done = None and partial(",
         ("tests/test_encoder_store.py::test_a_pending_store_put_keeps_its_segment_from_reuse",),
+    ),
+    "memory a transfer given up on may read is reused (failure 19)": Mutant(
+        "ledger.py",
+        "        if not any(self._engine.reading(lease.address, lease.length) for lease in leases):",
+        "        if True:",
+        (
+            HELD + "test_an_arena_segment_read_by_a_transfer_given_up_on_is_never_reused",
+            HELD + "test_a_registration_read_by_a_transfer_given_up_on_stays_until_it_fails",
+            "tests/test_scope_held_memory_mooncake.py",
+        ),
+    ),
+    "Mooncake's own timeout status taken for an end (failure 19)": Mutant(
+        "engine/mooncake.py",
+        "            elif status != DONE:\n                still.append(check)",
+        "            elif status == 0:\n                still.append(check)",
+        ("tests/test_engine_polling.py::test_mooncakes_own_timeout_status_is_not_an_end",),
     ),
 }
 

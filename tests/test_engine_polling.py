@@ -42,7 +42,7 @@ class Transfer:
 def test_a_long_transfer_is_checked_a_few_dozen_times_not_millions() -> None:
     time = FakeTime()
     transfer = Transfer(time, 0.050)
-    assert wait_until_done([transfer], 30.0, clock=time.clock, sleep=time.sleep) == 0
+    assert wait_until_done([transfer], 30.0, clock=time.clock, sleep=time.sleep) == (0, [])
     assert transfer.checks < 200  # a loop with no pause makes millions
     # The pause grows with the time waited, so the answer comes at most ~1/8 late.
     assert time.now < 0.050 * 1.15 + 1e-3
@@ -50,7 +50,9 @@ def test_a_long_transfer_is_checked_a_few_dozen_times_not_millions() -> None:
 
 def test_a_short_transfer_is_seen_within_microseconds() -> None:
     time = FakeTime()
-    assert wait_until_done([Transfer(time, 50e-6)], 30.0, clock=time.clock, sleep=time.sleep) == 0
+    assert (
+        wait_until_done([Transfer(time, 50e-6)], 30.0, clock=time.clock, sleep=time.sleep)[0] == 0
+    )
     assert time.now < 120e-6
 
 
@@ -63,24 +65,42 @@ def test_no_pause_is_longer_than_a_millisecond() -> None:
 def test_a_failure_is_reported_after_every_other_transfer_ended() -> None:
     time = FakeTime()
     failed, slow = Transfer(time, 0.001, status=-1), Transfer(time, 0.040)
-    code = wait_until_done([failed, slow], 30.0, clock=time.clock, sleep=time.sleep)
-    assert code == -1
+    code, pending = wait_until_done([failed, slow], 30.0, clock=time.clock, sleep=time.sleep)
+    assert (code, pending) == (-1, [])
     assert time.now >= 0.040  # it still waited for the slow one, which reads our memory
     assert failed.checks < slow.checks  # an ended transfer is not asked again
 
 
-def test_a_transfer_that_never_ends_times_out() -> None:
+def test_a_transfer_that_never_ends_times_out_and_is_handed_back_pending() -> None:
     time = FakeTime()
-    assert (
-        wait_until_done([Transfer(time, float("inf"))], 0.5, clock=time.clock, sleep=time.sleep)
-        == -1
-    )
+    endless = Transfer(time, float("inf"))
+    assert wait_until_done([endless], 0.5, clock=time.clock, sleep=time.sleep) == (-1, [endless])
     assert 0.5 <= time.now < 0.502
+
+
+def test_mooncakes_own_timeout_status_is_not_an_end() -> None:
+    """-2 (Mooncake's TIMEOUT) means the batch still runs and still reads our memory: it is
+    asked again until it ends, and handed back pending if it never does."""
+    time = FakeTime()
+    late = Transfer(time, 0.030)
+    late.status = 1
+    before = Transfer(time, 0.0, status=-2)
+
+    def timed_out_then_done() -> int:
+        return late() if time.now >= 0.030 else before()
+
+    assert wait_until_done([timed_out_then_done], 1.0, clock=time.clock, sleep=time.sleep) == (
+        0,
+        [],
+    )
+    assert time.now >= 0.030
+    stuck = Transfer(time, 0.0, status=-2)
+    assert wait_until_done([stuck], 0.1, clock=time.clock, sleep=time.sleep) == (-1, [stuck])
 
 
 def test_nothing_submitted_is_done_at_once() -> None:
     time = FakeTime()
-    assert wait_until_done([], 1.0, clock=time.clock, sleep=time.sleep) == 0
+    assert wait_until_done([], 1.0, clock=time.clock, sleep=time.sleep) == (0, [])
     assert time.sleeps == []
 
 

@@ -50,6 +50,12 @@ class CountingEngine:
         self.calls["transfer"] += 1
         await self.engine.transfer(session_id, segments, remote_address)
 
+    def reading(self, address: int, length: int) -> bool:
+        return self.engine.reading(address, length)
+
+    async def settled(self, address: int, length: int) -> None:
+        await self.engine.settled(address, length)
+
 
 @dataclass
 class RealRank:

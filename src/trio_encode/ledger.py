@@ -13,12 +13,19 @@ registered there" (-3), the region is *quarantined*: its memory stays alive, no 
 use it, and :meth:`RegistrationLedger.run` retries the deregistration until it succeeds. Freeing
 memory the engine may still hold registered would let a later allocation be read or written
 by a transfer that names the old registration.
+
+A transfer the engine stopped waiting for (its timeout passed while Mooncake still had it in
+flight: Mooncake has no cancel) may still read its source. Leases whose ranges it may read are
+*held* when their holder lets go (:meth:`RegistrationLedger.keep_while_read`): the region stays
+registered, the owners stay alive, and whatever the holder would have freed next (an arena
+segment) stays out of reuse, until the engine reports the transfer ended; then they are
+released as usual. A hold that outlives ``overdue_after`` is logged and counted, and kept.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -71,6 +78,21 @@ class Lease:
     released: bool = False
 
 
+@dataclass(eq=False)
+class _Held:
+    """Leases let go while a transfer the engine stopped waiting for may read them."""
+
+    leases: list[Lease]
+    then: Callable[[], None]
+    """What the holder would have done after releasing them (give arena segments back)."""
+    since: float
+    overdue: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return sum(lease.length for lease in self.leases)
+
+
 class RegistrationLedger:
     """Registers memory with one engine so that no two live registrations overlap."""
 
@@ -80,12 +102,32 @@ class RegistrationLedger:
         observer: LifecycleObserver | None = None,
         *,
         quarantine_retry: float = 5.0,
+        overdue_after: float = 600.0,
     ) -> None:
         self._engine = engine
         self._observer: LifecycleObserver = observer or NullObserver()
         self._regions: dict[int, _Region] = {}
         self._quarantine_retry = quarantine_retry
         self._quarantine_changed = trio.Event()
+        self._overdue_after = overdue_after
+        self._held: list[_Held] = []
+        self._settling: trio.Nursery | None = None
+
+    @property
+    def held(self) -> int:
+        """Groups of leases held for transfers the engine stopped waiting for."""
+        return len(self._held)
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(held.nbytes for held in self._held)
+
+    @property
+    def oldest_hold_seconds(self) -> float:
+        """Age of the oldest hold (0 when none)."""
+        if not self._held:
+            return 0.0
+        return trio.current_time() - min(held.since for held in self._held)
 
     @property
     def live_registrations(self) -> int:
@@ -200,16 +242,67 @@ class RegistrationLedger:
             self._forget(region)
         self._observer.quarantine_changed(self.quarantined, self.quarantined_bytes)
 
+    def keep_while_read(self, leases: list[Lease], then: Callable[[], None]) -> bool:
+        """If a transfer the engine stopped waiting for may still read any of ``leases``,
+        hold them all (their regions stay registered, their owners alive) until it has
+        ended, then release them and call ``then``; True if held. False: nothing reads
+        them, the caller releases them now (no scheduler pass either way)."""
+        if not any(self._engine.reading(lease.address, lease.length) for lease in leases):
+            return False
+        held = _Held(list(leases), then, trio.current_time())
+        self._held.append(held)
+        log.warning(
+            "%d bytes held: a transfer the engine stopped waiting for may still read them",
+            held.nbytes,
+        )
+        if self._settling is not None:
+            self._settling.start_soon(self._settle, held)
+        return True
+
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Retry quarantined deregistrations every ``quarantine_retry`` seconds while there are
-        any; runs in the service nursery."""
-        task_status.started()
-        while True:
-            while not self._quarantined():
-                await self._quarantine_changed.wait()
-                self._quarantine_changed = trio.Event()
-            await trio.sleep(self._quarantine_retry)
-            await self.retry_quarantined()
+        any, and release held leases once the transfers that may read them have ended; runs
+        in the service nursery."""
+        async with trio.open_nursery() as nursery:
+            self._settling = nursery
+            for held in self._held:
+                nursery.start_soon(self._settle, held)
+            task_status.started()
+            while True:
+                while not self._quarantined():
+                    await self._quarantine_changed.wait()
+                    self._quarantine_changed = trio.Event()
+                await trio.sleep(self._quarantine_retry)
+                await self.retry_quarantined()
+
+    async def _settle(self, held: _Held) -> None:
+        """Wait until no transfer the engine gave up on reads ``held``'s ranges, then release
+        them (shielded, like every release) and do what their holder would have done."""
+        with trio.move_on_after(self._overdue_after) as waited:
+            for lease in held.leases:
+                await self._engine.settled(lease.address, lease.length)
+        if waited.cancelled_caught:
+            held.overdue = True
+            log.error(
+                "%d bytes still held after %g s: the engine never reported the transfer "
+                "reading them ended; they are never reused",
+                held.nbytes,
+                self._overdue_after,
+            )
+            self._observer.transfer_hold_overdue(held.nbytes)
+            for lease in held.leases:
+                await self._engine.settled(lease.address, lease.length)
+        self._held.remove(held)
+        log.info("%d held bytes released: the transfer reading them ended", held.nbytes)
+        with trio.CancelScope(shield=True):
+            try:
+                for lease in held.leases:
+                    try:
+                        await self.release(lease)
+                    except EngineError as exc:
+                        log.error("deregister failed: %s", exc)
+            finally:
+                held.then()
 
     async def _timed(self, call: RegistrationCall, engine_call: Awaitable[None]) -> None:
         started = trio.current_time()

@@ -48,6 +48,11 @@ class LifecycleObserver(Protocol):
         could not be."""
         ...
 
+    def transfer_hold_overdue(self, nbytes: int) -> None:
+        """Memory held for a transfer the engine stopped waiting for is still held past the
+        ledger's ``overdue_after``: the engine never reported the transfer ended."""
+        ...
+
 
 class NullObserver:
     """Ignores every event."""
@@ -83,4 +88,7 @@ class NullObserver:
         pass
 
     def completion_pushed(self, kind: str, *, ok: bool) -> None:
+        pass
+
+    def transfer_hold_overdue(self, nbytes: int) -> None:
         pass

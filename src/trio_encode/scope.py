@@ -425,9 +425,18 @@ class RequestScope:
         If the engine refuses to deregister, the ledger keeps the memory alive itself (the
         lease's owner) until a retry succeeds, so dropping our reference never frees bytes the
         engine may still have registered. Arena segments are not registered on their own, and
-        go back to the arena only after every transfer that reads them has returned.
+        go back to the arena only after every transfer that reads them has returned; if the
+        engine stopped waiting for one that may still read them, the ledger holds both until
+        it has ended (:meth:`RegistrationLedger.keep_while_read`).
         """
         leases, self._leases = self._leases or [], None
+        embedding = self._embedding
+        if embedding is not None and self._ledger.keep_while_read(leases, embedding.release):
+            # A transfer the engine stopped waiting for may still read the embedding: the
+            # ledger keeps the leases and the segments until it has ended.
+            self._embedding = embedding = None
+            return
+        embedding = None
         try:
             for lease in leases:
                 try:

@@ -194,7 +194,9 @@ class EncodeService:
         self.engine = engine
         self.encoder = encoder
         self.settings = settings
-        self.ledger = RegistrationLedger(engine, observer)
+        # Held memory comes back within the engine's progress timeout (below send_timeout)
+        # per wave of a frozen peer's transfers; twice send_timeout is past any of that.
+        self.ledger = RegistrationLedger(engine, observer, overdue_after=2 * settings.send_timeout)
         self.registry = ScopeRegistry(
             nursery,
             engine=engine,

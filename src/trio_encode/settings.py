@@ -22,7 +22,7 @@ import os
 import tomllib
 from collections.abc import Callable, Mapping
 from contextvars import ContextVar
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import cache
 from pathlib import Path
 from typing import Annotated, Any, Literal, cast
@@ -38,7 +38,7 @@ from pydantic_settings import (
 
 from trio_encode.declare import Group, setting
 from trio_encode.encoder.settings import EncoderSettings
-from trio_encode.engine.mooncake import MooncakeSettings
+from trio_encode.engine.mooncake import MooncakeSettings, default_progress_timeout
 from trio_encode.service import ServiceSettings
 from trio_encode.sizes import ByteSize, MiB
 
@@ -132,6 +132,25 @@ class ServerSettings(BaseSettings):
     @classmethod
     def _nest(cls, data: Any) -> Any:
         return nest(data) if isinstance(data, Mapping) else data
+
+    @model_validator(mode="after")
+    def _progress_timeout(self) -> ServerSettings:
+        """The engine's progress timeout must end a stalled transfer before the request's
+        deadline; unset, it is derived from ``send_timeout``."""
+        send_timeout = self.service.send_timeout
+        given = self.engine.progress_timeout
+        if given is None:
+            derived = replace(self.engine, progress_timeout=default_progress_timeout(send_timeout))
+            # Frozen, and an after-validator must return ``self``: filled in once, here.
+            object.__setattr__(self, "engine", derived)
+            return self
+        if given >= send_timeout:
+            raise ValueError(
+                f"--engine-progress-timeout ({given} s) must be below --send-timeout "
+                f"({send_timeout:g} s): a stalled transfer must fail before its request's "
+                "deadline"
+            )
+        return self
 
     @classmethod
     def settings_customise_sources(

@@ -75,6 +75,9 @@ class RecordingObserver:
     def completion_pushed(self, kind: str, *, ok: bool) -> None:
         self._add("completion_pushed", kind, ok)
 
+    def transfer_hold_overdue(self, nbytes: int) -> None:
+        self._add("transfer_hold_overdue", nbytes)
+
 
 def make_embedding(seed: int, rows: int = 64, dim: int = 32) -> Embedding:
     """A float32 embedding whose bytes depend on ``seed``."""
@@ -192,9 +195,14 @@ async def lifecycle_rig(
     register_latency: float = 0.0,
     transfer_latency: float = 0.0,
     threads: ThreadSettings | None = None,
+    transfer_timeout: float = 30.0,
+    progress_timeout: float | None = None,
+    overdue_after: float = 600.0,
 ) -> AsyncIterator[Rig]:
-    """A registry with its service nursery, over an in-memory sender engine."""
-    fabric = InMemoryFabric()
+    """A registry with its service nursery, over an in-memory sender engine. With a
+    ``progress_timeout`` (transfers into a frozen peer outlive their caller's wait) the ledger's
+    task runs too, as in the service, to release what it holds for them."""
+    fabric = InMemoryFabric(transfer_timeout=transfer_timeout, progress_timeout=progress_timeout)
     sender = fabric.engine(
         "encoder",
         register_latency=register_latency,
@@ -202,10 +210,12 @@ async def lifecycle_rig(
         threads=threads,
     )
     observer = RecordingObserver()
-    ledger = RegistrationLedger(sender, observer)
+    ledger = RegistrationLedger(sender, observer, overdue_after=overdue_after)
     # Every test gets a virtual hour: on the mock clock a deadlock jumps here and fails fast.
     with trio.fail_after(3600):
         async with trio.open_nursery() as nursery:
+            if progress_timeout is not None:
+                await nursery.start(ledger.run)
             registry = ScopeRegistry(
                 nursery,
                 engine=sender,

@@ -119,6 +119,22 @@ class TransferEngine(Protocol):
         self, session_id: str, segments: Sequence[tuple[int, int]], remote_address: int
     ) -> None:
         """Write ``segments`` (local address, length) back to back into ``session_id``'s
-        memory from ``remote_address`` on, as one call: every segment is in flight at once,
-        and the call returns (or raises) only when none is still reading local memory."""
+        memory from ``remote_address`` on, as one call: every segment is in flight at once.
+
+        Waiting for a thread (or a slot of ``session_id``'s bound) is cancellable, and a
+        caller cancelled then gets ``trio.Cancelled`` with nothing submitted; once a segment
+        is submitted the call is not cancellable, and returns when every segment has landed,
+        or raises :class:`EngineError` when one failed or the engine stopped waiting (its own
+        timeout). A transfer it stopped waiting for may still read local memory: it stays
+        :meth:`reading` until the engine reports it ended."""
+        ...
+
+    def reading(self, address: int, length: int) -> bool:
+        """Whether a transfer this engine stopped waiting for may still read (or be about to
+        read) any byte of ``[address, address + length)``: that memory must not be reused."""
+        ...
+
+    async def settled(self, address: int, length: int) -> None:
+        """Return once :meth:`reading` is false for the range, asking the engine for the
+        status of the transfers it stopped waiting for meanwhile."""
         ...

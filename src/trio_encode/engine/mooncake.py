@@ -20,20 +20,25 @@ thread that sleeps instead of spinning.
 from __future__ import annotations
 
 import importlib
+import logging
+import math
 import os
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import partial
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import trio
 from pydantic import AfterValidator, ConfigDict
-from pydantic.dataclasses import dataclass
+from pydantic.dataclasses import dataclass as settings_dataclass
 
 from trio_encode.declare import setting
 from trio_encode.engine.base import TRANSFER_FAILED, EngineError
 from trio_encode.engine.threads import EngineThreads, ThreadSettings, run_in_thread
+
+log = logging.getLogger(__name__)
 
 _INSTALL_HINT = (
     "the Mooncake transfer engine is not usable: {error}. Install it with "
@@ -57,22 +62,31 @@ def transfer_timeout(length: int) -> float:
     return seconds + length * 1e-9
 
 
+DONE = 1
+"""``transfer_check_status``: the batch completed (Mooncake has freed it)."""
+FAILED = -1
+"""``transfer_check_status``: the batch failed (freed too). Any other answer (0 running, -2
+past Mooncake's own timeout but not ended) means the batch may still read its source."""
+
+C = TypeVar("C", bound=Callable[[], int])
+
+
 def wait_until_done(
-    checks: Sequence[Callable[[], int]],
+    checks: Sequence[C],
     timeout: float,
     *,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
-) -> int:
-    """In a worker thread: wait for submitted transfers; 0 once all completed, else the first
-    failure's code (-1 for a timeout).
+) -> tuple[int, list[C]]:
+    """In a worker thread: wait for submitted transfers until each has ended or ``timeout``
+    passed; ``(code, pending)``: 0 or the first failure's code (-1 when the wait timed out),
+    and the transfers that had not ended (empty unless it timed out).
 
-    Each check returns Mooncake's ``transfer_check_status`` answer: 1 done, 0 running, < 0
-    failed. Checks that failed or completed are not asked again; the pause between rounds is
-    an eighth of the time waited so far (between ``_FIRST_POLL`` and ``_MAX_POLL``). Returns
-    only when every transfer has ended or the timeout passed, so no submitted transfer is still
-    reading memory that the caller goes on to release (a timed-out one is Mooncake's own
-    failure, as with its synchronous calls).
+    Each check returns Mooncake's ``transfer_check_status`` answer; only :data:`DONE` and
+    :data:`FAILED` end a transfer (Mooncake then frees the batch, so an ended check is never
+    asked again). The pause between rounds is an eighth of the time waited so far (between
+    ``_FIRST_POLL`` and ``_MAX_POLL``). A pending transfer may still read the caller's memory:
+    the caller must keep it out of reuse until the transfer ends.
     """
     pending = list(checks)
     code = 0
@@ -82,16 +96,16 @@ def wait_until_done(
         still = []
         for check in pending:
             status = check()
-            if status == 0:
+            if status == FAILED:
+                code = code or FAILED
+            elif status != DONE:
                 still.append(check)
-            elif status < 0 and code == 0:
-                code = status
         pending = still
         if not pending:
-            return code
+            return code, []
         waited = clock() - start
         if waited > timeout:
-            return code or TRANSFER_FAILED
+            return code or TRANSFER_FAILED, pending
         sleep(pause)
         pause = min(_MAX_POLL, max(_FIRST_POLL, waited / 8))
 
@@ -102,17 +116,31 @@ def _submitted(batch_id: int) -> bool:
     return 0 < batch_id < 1 << 63
 
 
-def _check_status(raw: Any, batch_id: int) -> int:
-    return int(raw.transfer_check_status(batch_id))
+@dataclass(eq=False)
+class Batch:
+    """One submitted segment: its batch id and the local range it reads until it ends."""
+
+    raw: Any
+    batch_id: int
+    address: int
+    length: int
+
+    def __call__(self) -> int:
+        return int(self.raw.transfer_check_status(self.batch_id))
+
+    def reads(self, address: int, length: int) -> bool:
+        return self.address < address + length and address < self.address + self.length
 
 
 def write_segments(
     raw: Any, session_id: str, segments: Sequence[tuple[int, int]], remote_address: int
-) -> int:
+) -> tuple[int, list[Batch]]:
     """In a worker thread: write ``segments`` (local address, length) one after another into
-    ``remote_address`` onwards; 0, or the first failure's code. Every segment is submitted
-    before any is waited for, so they travel together."""
-    checks: list[Callable[[], int]] = []
+    ``remote_address`` onwards; ``(code, pending)`` as :func:`wait_until_done` answers, code
+    the first failure's. Every segment is submitted before any is waited for, so they travel
+    together; a refused submission ends the call: no later segment is submitted, and the
+    refused one (it has no batch) is never asked about."""
+    batches: list[Batch] = []
     code = 0
     offset = 0
     for address, length in segments:
@@ -123,10 +151,44 @@ def write_segments(
         if not _submitted(batch_id):
             code = TRANSFER_FAILED
             break
-        checks.append(partial(_check_status, raw, batch_id))
+        batches.append(Batch(raw, batch_id, address, length))
     # Wait for what was submitted even after a failure: it may still be reading our memory.
-    waited = wait_until_done(checks, transfer_timeout(offset))
-    return code or waited
+    waited, pending = wait_until_done(batches, transfer_timeout(offset))
+    return code or waited, pending
+
+
+def _poll(batches: Sequence[Sequence[Batch]]) -> list[tuple[list[Batch], int]]:
+    """In a worker thread: each group's batches that have not ended, and its first failure's
+    code (0 if none failed)."""
+    answers = []
+    for group in batches:
+        still, code = [], 0
+        for batch in group:
+            status = batch()
+            if status == FAILED:
+                code = code or FAILED
+            elif status != DONE:
+                still.append(batch)
+        answers.append((still, code))
+    return answers
+
+
+@dataclass(eq=False)
+class _Abandoned:
+    """Batches of one transfer whose caller stopped waiting (its timeout) before they ended."""
+
+    session_id: str
+    batches: list[Batch]
+    since: float
+    code: int = 0
+
+    def reads(self, address: int, length: int) -> bool:
+        return any(batch.reads(address, length) for batch in self.batches)
+
+
+_SETTLE_FIRST_POLL = 0.05
+"""Seconds before asking again about a transfer the engine stopped waiting for."""
+_SETTLE_MAX_POLL = 1.0
 
 
 def _load_mooncake_engine_class(log_level: str) -> Any:
@@ -157,7 +219,17 @@ def _engine_log_level(level: str) -> str:
 EngineLogLevel = Annotated[str, AfterValidator(_engine_log_level)]
 
 
-@dataclass(frozen=True, config=ConfigDict(extra="forbid"))
+PROGRESS_MARGIN = 5
+"""Seconds by which the default progress timeout stays below the request's ``send_timeout``."""
+
+
+def default_progress_timeout(send_timeout: float) -> int:
+    """``MC_TCP_PROGRESS_TIMEOUT_SEC`` when none is set: a stalled transfer fails a few
+    seconds before its request's deadline (whole seconds, at least 1: Mooncake's unit)."""
+    return max(1, math.ceil(send_timeout) - PROGRESS_MARGIN)
+
+
+@settings_dataclass(frozen=True, config=ConfigDict(extra="forbid"))
 class MooncakeSettings:
     """Arguments of Mooncake's ``initialize``, and its log level; the defaults suit TCP on
     loopback with no metadata server (peers exchange descriptors directly, ``P2PHANDSHAKE``).
@@ -189,6 +261,15 @@ class MooncakeSettings:
         help="Least severe of Mooncake's own log lines shown (TRACE, INFO, WARNING, ERROR); "
         "exported as MC_LOG_LEVEL, replacing any value there, before Mooncake first loads in "
         "the process.",
+    )
+    progress_timeout: int | None = setting(
+        None,
+        group="engine",
+        ge=1,
+        help="Seconds a TCP transfer may make no progress before Mooncake fails it "
+        "(exported as MC_TCP_PROGRESS_TIMEOUT_SEC): the bound on how long the memory of a "
+        "transfer this server stopped waiting for stays quarantined. Default: send_timeout "
+        "minus 5 (at least 1); it must be below send_timeout.",
     )
     transfer_threads: int = setting(
         ThreadSettings.transfer_threads,
@@ -228,6 +309,8 @@ class MooncakeEngine:
         self._settings = settings
         self._session_id = f"{settings.hostname}:{raw.get_rpc_port()}"
         self.threads = EngineThreads(settings.threads)
+        self._abandoned: list[_Abandoned] = []
+        self._polling = trio.Lock()
 
     @classmethod
     async def create(cls, settings: MooncakeSettings | None = None) -> MooncakeEngine:
@@ -235,6 +318,9 @@ class MooncakeEngine:
         and may probe devices, which blocks)."""
         settings = settings if settings is not None else MooncakeSettings()
         engine_class = _load_mooncake_engine_class(settings.log_level)
+        if settings.progress_timeout is not None:
+            # Read by Mooncake's TCP transport when it watches a transfer's progress.
+            os.environ["MC_TCP_PROGRESS_TIMEOUT_SEC"] = str(settings.progress_timeout)
         raw = engine_class()
         code = await trio.to_thread.run_sync(
             raw.initialize,
@@ -296,11 +382,25 @@ class MooncakeEngine:
         ``session_id``'s registered memory from ``remote_address`` on, and wait until every
         byte has landed. All are submitted before any is awaited, so a multi-image
         embedding needs no concatenation. Waits for a thread of the transfer pool and a slot
-        of ``session_id``'s own bound first (see :mod:`trio_encode.engine.threads`)."""
+        of ``session_id``'s own bound first (see :mod:`trio_encode.engine.threads`); a caller
+        cancelled while waiting submits nothing.
+
+        If the wait times out (``transfer_timeout``) while submissions still run, it raises,
+        and the source ranges stay :meth:`reading` until Mooncake reports every one ended."""
+        segments = list(segments)
         async with self.threads.session_slot(session_id):
-            code = await run_in_thread(
-                partial(write_segments, self._raw, session_id, list(segments), remote_address),
+            code, pending = await run_in_thread(
+                partial(write_segments, self._raw, session_id, segments, remote_address),
                 self.threads.transfers,
+            )
+        detail = f"from {self.session_id}" + (
+            f", {len(segments)} segments" if len(segments) > 1 else ""
+        )
+        if pending:
+            self._abandoned.append(_Abandoned(session_id, pending, time.monotonic()))
+            detail += (
+                f"; stopped waiting with {len(pending)} still in flight: their memory is "
+                "kept until Mooncake ends them"
             )
         if code != 0:
             raise EngineError(
@@ -310,6 +410,37 @@ class MooncakeEngine:
                 remote_address=remote_address,
                 length=sum(length for _, length in segments),
                 session_id=session_id,
-                detail=f"from {self.session_id}"
-                + (f", {len(segments)} segments" if len(segments) > 1 else ""),
+                detail=detail,
             )
+
+    def reading(self, address: int, length: int) -> bool:
+        """Whether a transfer this engine stopped waiting for may still read the range."""
+        return any(abandoned.reads(address, length) for abandoned in self._abandoned)
+
+    async def settled(self, address: int, length: int) -> None:
+        """Return once no transfer this engine stopped waiting for reads the range, asking
+        Mooncake about them with pauses that grow to a second. One caller asks at a time: a
+        batch that has ended is freed by Mooncake and must never be asked about again."""
+        pause = _SETTLE_FIRST_POLL
+        while self.reading(address, length):
+            async with self._polling:
+                entries = list(self._abandoned)
+                answers = await run_in_thread(
+                    partial(_poll, [entry.batches for entry in entries]), self.threads.control
+                )
+                for entry, (still, code) in zip(entries, answers, strict=True):
+                    entry.batches = still
+                    entry.code = entry.code or code
+                    if not still:
+                        self._abandoned.remove(entry)
+                        log.info(
+                            "a transfer to %s that was given up on ended (code %d) %.1f s "
+                            "later: its memory may be reused",
+                            entry.session_id,
+                            entry.code,
+                            time.monotonic() - entry.since,
+                        )
+            if not self.reading(address, length):
+                return
+            await trio.sleep(pause)
+            pause = min(_SETTLE_MAX_POLL, pause * 2)

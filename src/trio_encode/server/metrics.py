@@ -162,6 +162,28 @@ class Metrics:
             "Bytes kept alive by quarantined registrations.",
             registry=r,
         )
+        self.held_transfers = Gauge(
+            PREFIX + "held_transfers",
+            "Sends whose memory is held out of reuse because a transfer the engine stopped "
+            "waiting for may still read it.",
+            registry=r,
+        )
+        self.held_transfer_bytes = Gauge(
+            PREFIX + "held_transfer_bytes",
+            "Bytes held out of reuse for transfers the engine stopped waiting for.",
+            registry=r,
+        )
+        self.held_transfer_oldest_seconds = Gauge(
+            PREFIX + "held_transfer_oldest_seconds",
+            "Age of the oldest such hold (0 when none).",
+            registry=r,
+        )
+        self.held_transfers_overdue = Counter(
+            PREFIX + "held_transfers_overdue",
+            "Holds that outlived the engine's bound: the engine never reported the transfer "
+            "ended; the memory is kept, never reused.",
+            registry=r,
+        )
         self.deregistrations = Counter(
             METRIC_PREFIX + "deregistrations", "Memory registrations released.", registry=r
         )
@@ -291,6 +313,9 @@ class Metrics:
         """Read the live gauges from ``service`` itself from now on."""
         self.live_scopes.set_function(lambda: len(service.registry))
         self.live_registrations.set_function(lambda: service.ledger.live_registrations)
+        self.held_transfers.set_function(lambda: service.ledger.held)
+        self.held_transfer_bytes.set_function(lambda: service.ledger.held_bytes)
+        self.held_transfer_oldest_seconds.set_function(lambda: service.ledger.oldest_hold_seconds)
         arena = service.encoder.arena
         if arena is not None:
             self.arena_bytes.set(arena.nbytes)
@@ -354,6 +379,9 @@ class Metrics:
 
     def completion_pushed(self, kind: str, *, ok: bool) -> None:
         self.completion_messages.labels(kind=kind, result="sent" if ok else "failed").inc()
+
+    def transfer_hold_overdue(self, nbytes: int) -> None:
+        self.held_transfers_overdue.inc()
 
     # -- EncoderObserver ----------------------------------------------------------------------
 

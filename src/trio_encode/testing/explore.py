@@ -382,6 +382,12 @@ class _RecordingEngine:
         await self.engine.transfer(session_id, segments, remote_address)
         self._log.append(("wrote", receiver))
 
+    def reading(self, address: int, length: int) -> bool:
+        return self.engine.reading(address, length)
+
+    async def settled(self, address: int, length: int) -> None:
+        await self.engine.settled(address, length)
+
 
 class _StepCanceller(trio.abc.Instrument):
     """Counts the task steps (of any task) taken while the victim's first attempt runs, and

@@ -168,6 +168,12 @@ class FaultyEngine:
             )
         await self.engine.transfer(session_id, segments, remote_address)
 
+    def reading(self, address: int, length: int) -> bool:
+        return self.engine.reading(address, length)
+
+    async def settled(self, address: int, length: int) -> None:
+        await self.engine.settled(address, length)
+
 
 def _fault_plan(value: Any) -> Any:
     """A plan written as text (a flag) -> :class:`FaultPlan`."""

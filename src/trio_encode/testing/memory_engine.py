@@ -175,17 +175,42 @@ class _InFlightTransfer:
     receiver: InMemoryEngine
 
 
+@dataclass(eq=False)
+class _Abandoned:
+    """A transfer into a frozen peer whose caller stopped waiting: it lands if the peer thaws
+    before ``deadline`` (reading its source then), else fails."""
+
+    flight: _InFlightTransfer
+    local_address: int
+    remote_address: int
+    length: int
+    deadline: float
+    ended: trio.Event = field(default_factory=trio.Event)
+
+    def reads(self, address: int, length: int) -> bool:
+        return self.local_address < address + length and address < self.local_address + (
+            self.length
+        )
+
+
 class InMemoryFabric:
     """The network the in-memory engines share: session ids to engines, and one list of the
     violations any of them saw."""
 
-    def __init__(self, *, transfer_timeout: float = 30.0) -> None:
+    def __init__(
+        self, *, transfer_timeout: float = 30.0, progress_timeout: float | None = None
+    ) -> None:
         self._engines: dict[str, InMemoryEngine] = {}
         self._numbers = itertools.count()
         self._frozen: dict[str, trio.Event] = {}
         self.transfer_timeout = transfer_timeout
-        """How long a transfer into a frozen peer hangs before it fails with -1 (Mooncake's
-        ``MC_TRANSFER_TIMEOUT``)."""
+        """How long a transfer into a frozen peer hangs before its caller gets -1 (the engine
+        stops waiting, as Mooncake's engine does after ``transfer_timeout``)."""
+        self.progress_timeout = progress_timeout
+        """Seconds from its start after which a transfer into a frozen peer really fails
+        (Mooncake's ``MC_TCP_PROGRESS_TIMEOUT_SEC``). Until then one its caller stopped
+        waiting for still lands if the peer thaws, reading its source *then*. None: it fails
+        when its caller stops waiting."""
         self.violations: list[str] = []
 
     def freeze(self, session_id: str) -> None:
@@ -194,10 +219,13 @@ class InMemoryFabric:
         self._frozen.setdefault(session_id, trio.Event())
 
     def thaw(self, session_id: str) -> None:
-        """The peer answers again; transfers held by :meth:`freeze` go on."""
+        """The peer answers again; transfers held by :meth:`freeze` go on, and those whose
+        callers stopped waiting land now (if ``progress_timeout`` has not passed)."""
         event = self._frozen.pop(session_id, None)
         if event is not None:
             event.set()
+        for engine in self.engines:
+            engine._land_abandoned(session_id)
 
     def engine(
         self,
@@ -260,6 +288,7 @@ class InMemoryEngine:
             "transfer": _Script(transfer_latency),
         }
         self._in_flight_transfers: list[_InFlightTransfer] = []
+        self._abandoned: list[_Abandoned] = []
         self._link: trio.Lock | None = None
         self._seq = itertools.count()
         self.history: list[CallRecord] = []
@@ -357,18 +386,31 @@ class InMemoryEngine:
             )
         if flight is not None:
             self._in_flight_transfers.append(flight)
+        abandoned = False
         try:
             await self._run_shielded(call)
             if flight is not None and not await self._peer_answers(session_id):
+                abandoned = self._abandon(flight, local_address, remote_address, length)
                 code, flight = TRANSFER_FAILED, None
         finally:
-            for held in self._in_flight_transfers:
-                if held.call is call:
-                    self._in_flight_transfers.remove(held)
-                    break
+            if not abandoned:
+                self._drop_in_flight(call)
         if flight is not None:
             code = self._complete_transfer(flight, local_address, remote_address, length)
         self._finish(call, code)
+
+    def reading(self, address: int, length: int) -> bool:
+        """Whether a transfer whose caller stopped waiting may still read the range."""
+        self._expire_abandoned()
+        return any(entry.reads(address, length) for entry in self._abandoned)
+
+    async def settled(self, address: int, length: int) -> None:
+        """Return once no transfer whose caller stopped waiting reads the range: its peer
+        thawed (it landed) or its ``progress_timeout`` passed (it failed)."""
+        while self.reading(address, length):
+            entry = next(entry for entry in self._abandoned if entry.reads(address, length))
+            with trio.move_on_at(entry.deadline):
+                await entry.ended.wait()
 
     # -- scripting -----------------------------------------------------------------------------
 
@@ -487,6 +529,44 @@ class InMemoryEngine:
                     await trio.sleep(script.next_latency(call))
             else:
                 await trio.sleep(script.next_latency(call))
+
+    def _abandon(
+        self, flight: _InFlightTransfer, local_address: int, remote_address: int, length: int
+    ) -> bool:
+        """The caller stops waiting for a transfer into a frozen peer; True if it may still
+        land (it stays in flight, reading its source, until it lands or fails)."""
+        progress = self.fabric.progress_timeout
+        if progress is None or flight.call.start + progress <= trio.current_time():
+            return False
+        self._abandoned.append(
+            _Abandoned(flight, local_address, remote_address, length, flight.call.start + progress)
+        )
+        return True
+
+    def _land_abandoned(self, session_id: str) -> None:
+        """``session_id`` thawed: its abandoned transfers land now, if still registered."""
+        self._expire_abandoned()
+        for entry in [e for e in self._abandoned if e.flight.call.session_id == session_id]:
+            self._abandoned.remove(entry)
+            self._drop_in_flight(entry.flight.call)
+            self._complete_transfer(
+                entry.flight, entry.local_address, entry.remote_address, entry.length
+            )
+            entry.ended.set()
+
+    def _expire_abandoned(self) -> None:
+        """Abandoned transfers past their ``progress_timeout`` have failed: they read no more."""
+        now = trio.current_time()
+        for entry in [e for e in self._abandoned if e.deadline <= now]:
+            self._abandoned.remove(entry)
+            self._drop_in_flight(entry.flight.call)
+            entry.ended.set()
+
+    def _drop_in_flight(self, call: CallRecord) -> None:
+        for held in self._in_flight_transfers:
+            if held.call is call:
+                self._in_flight_transfers.remove(held)
+                break
 
     async def _peer_answers(self, session_id: str) -> bool:
         """False if the peer is frozen and stays so past the transfer timeout (shielded)."""
