@@ -220,7 +220,8 @@ MUTANTS: dict[str, Mutant] = {
     ),
     "memory a transfer given up on may read is reused (failure 19)": Mutant(
         "ledger.py",
-        "        if not any(self._engine.reading(lease.address, lease.length) for lease in leases):",
+        "        if not any(self._engine.reading(lease.address, lease.length) for lease in "
+        "leases):",
         "        if True:",
         (
             HELD + "test_an_arena_segment_read_by_a_transfer_given_up_on_is_never_reused",
