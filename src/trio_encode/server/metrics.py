@@ -163,23 +163,23 @@ class Metrics:
             registry=r,
         )
         self.held_transfers = Gauge(
-            PREFIX + "held_transfers",
+            METRIC_PREFIX + "held_transfers",
             "Sends whose memory is held out of reuse because a transfer the engine stopped "
             "waiting for may still read it.",
             registry=r,
         )
         self.held_transfer_bytes = Gauge(
-            PREFIX + "held_transfer_bytes",
+            METRIC_PREFIX + "held_transfer_bytes",
             "Bytes held out of reuse for transfers the engine stopped waiting for.",
             registry=r,
         )
         self.held_transfer_oldest_seconds = Gauge(
-            PREFIX + "held_transfer_oldest_seconds",
+            METRIC_PREFIX + "held_transfer_oldest_seconds",
             "Age of the oldest such hold (0 when none).",
             registry=r,
         )
         self.held_transfers_overdue = Counter(
-            PREFIX + "held_transfers_overdue",
+            METRIC_PREFIX + "held_transfers_overdue",
             "Holds that outlived the engine's bound: the engine never reported the transfer "
             "ended; the memory is kept, never reused.",
             registry=r,
