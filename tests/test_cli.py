@@ -275,6 +275,16 @@ def test_a_bad_setting_is_refused_with_the_reason(captured: list[ServerSettings]
     assert not captured
 
 
+def test_a_mistyped_engine_protocol_is_refused_naming_the_choices(
+    captured: list[ServerSettings],
+) -> None:
+    result = CliRunner().invoke(cli, ["serve", "--engine-protocol", "rmda"])
+    assert result.exit_code == 2
+    assert "--engine-protocol" in result.output and "'tcp' or 'rdma'" in result.output
+    assert not captured
+    assert CliRunner().invoke(cli, ["serve", "--engine-protocol", "rdma"]).exit_code == 0
+
+
 def _serve(*args: str, **env: str) -> subprocess.Popen[str]:
     # Without Mooncake's own log knobs, to show the server quiets it by itself.
     inherited = {

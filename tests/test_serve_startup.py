@@ -55,8 +55,9 @@ def test_mooncake_info_lines_are_quiet_by_default_and_every_answer_is_logged() -
     access = [line for line in output.splitlines() if "logger=trio_encode.access" in line]
     assert any("path=/livez" in line and "status=200" in line for line in access), output
     assert any("path=/readyz" in line and "status=200" in line for line in access), output
-    # The port was bound before the model was loaded.
+    # The port was bound before the model was loaded; the start names the transport.
     assert output.index("serving on") < output.index("model loaded")
+    assert re.search(r"transfer engine ready at \S+ over tcp", output), output
     assert re.search(r"ts=\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z ", output)
 
 
@@ -76,6 +77,8 @@ def test_a_port_in_use_fails_at_once_before_the_model_loads() -> None:
     assert "Address already in use" in stderr or "address already in use" in stderr, stderr
     assert "Traceback" not in stderr
     assert "model loaded" not in stderr
+    # Bound before anything else: no engine started, no arena registered.
+    assert "transfer engine ready" not in stderr and "registered" not in stderr, stderr
 
 
 def test_the_demo_keeps_mooncake_info_lines_out_of_its_output() -> None:

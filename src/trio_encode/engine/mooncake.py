@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import trio
 from pydantic import AfterValidator, ConfigDict
@@ -237,7 +237,7 @@ class MooncakeSettings:
     As flags, variables and config keys these are named ``engine_<field>``.
     """
 
-    protocol: str = setting(
+    protocol: Literal["tcp", "rdma"] = setting(
         "tcp", group="engine", help="Mooncake transport: tcp, or rdma where the NICs support it."
     )
     metadata_server: str = setting(

@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 from functools import partial
 
 import trio
-from hypercorn.config import Config
-from hypercorn.trio import serve as hypercorn_serve
+from hypercorn.config import Config, Sockets
+from hypercorn.trio.run import worker_serve
+from hypercorn.utils import wrap_app
 
 from trio_encode.engine import TransferEngine
 from trio_encode.server import heap
@@ -66,6 +67,21 @@ def _hypercorn_config(settings: ServerSettings) -> Config:
     return config
 
 
+def listen(settings: ServerSettings) -> Sockets:
+    """The server's listening sockets, bound now: a port already in use fails here, with
+    ``OSError`` (``Address already in use``), before any engine or memory is set up."""
+    config = _hypercorn_config(settings)
+    sockets = config.create_sockets()
+    try:
+        for sock in sockets.insecure_sockets:
+            sock.listen(config.backlog)
+    except BaseException:
+        for sock in sockets.insecure_sockets:
+            sock.close()
+        raise
+    return sockets
+
+
 async def serve(
     settings: ServerSettings,
     *,
@@ -73,12 +89,14 @@ async def serve(
     encoder: Encoder,
     metrics: Metrics | None = None,
     handle_signals: bool = False,
+    sockets: Sockets | None = None,
     task_status: trio.TaskStatus[RunningServer] = trio.TASK_STATUS_IGNORED,
 ) -> ShutdownReport:
     """Serve until stopped; return how the live scopes ended.
 
     With ``nursery.start(serve, ...)`` the caller gets a :class:`RunningServer` once the socket
     is bound. ``handle_signals`` (main thread only) makes SIGINT and SIGTERM stop it gracefully.
+    ``sockets``: bound already by :func:`listen` (else bound here, after the service started).
     """
     metrics = metrics if metrics is not None else Metrics()
     async with EncodeService.running(
@@ -92,7 +110,7 @@ async def serve(
         stop_listening = trio.Event()
         async with trio.open_nursery() as nursery:
             binds = await nursery.start(
-                _serve_http, app, _hypercorn_config(settings), stop_listening
+                _serve_http, app, _hypercorn_config(settings), stop_listening, sockets
             )
             running = RunningServer(binds[0], service, metrics)
             log.info("serving on %s (transfer engine %s)", running.url, engine.session_id)
@@ -129,12 +147,14 @@ async def _serve_http(
     app: object,
     config: Config,
     stop_listening: trio.Event,
+    sockets: Sockets | None,
     *,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    await hypercorn_serve(
-        app,  # type: ignore[arg-type]
+    await worker_serve(
+        wrap_app(app, config.wsgi_max_body_size, "asgi"),  # type: ignore[arg-type]
         config,
+        sockets=sockets,
         shutdown_trigger=stop_listening.wait,
         task_status=task_status,
     )
@@ -188,13 +208,27 @@ async def run_server(
     image encoder loading behind it (``/readyz`` is 503 until it is loaded), stopped gracefully
     by SIGINT or SIGTERM. ``wrap_engine`` wraps the engine before anything uses it (a drill's
     fault injector)."""
+    # The port first: one in use stops the start before the engine and the arena exist.
+    sockets = listen(settings)
+    try:
+        return await _run_listening(settings, sockets, wrap_engine)
+    finally:
+        for sock in sockets.insecure_sockets:
+            sock.close()  # idempotent: hypercorn closes those it served on
+
+
+async def _run_listening(
+    settings: ServerSettings,
+    sockets: Sockets,
+    wrap_engine: Callable[[TransferEngine], TransferEngine] | None,
+) -> ShutdownReport:
     from trio_encode.encoder import ImageEncoder, arena_for
     from trio_encode.engine.mooncake import MooncakeEngine
 
     if settings.malloc_arenas is not None and not heap.limit_arenas(settings.malloc_arenas):
         log.info("malloc arenas not limited (not glibc)")
     engine: TransferEngine = await MooncakeEngine.create(settings.engine)
-    log.info("transfer engine ready at %s", engine.session_id)
+    log.info("transfer engine ready at %s over %s", engine.session_id, settings.engine.protocol)
     if wrap_engine is not None:
         engine = wrap_engine(engine)
     metrics = Metrics()
@@ -229,9 +263,10 @@ async def run_server(
                 encoder=encoder,
                 metrics=metrics,
                 handle_signals=True,
+                sockets=sockets,
             )
         )
-        encoder.start_loading()  # only now: a port in use has already failed
+        encoder.start_loading()
     report = running.service.shutdown_report
     assert report is not None  # serve() returns only after its shutdown
     return report
