@@ -280,7 +280,8 @@ def test_a_mistyped_engine_protocol_is_refused_naming_the_choices(
 ) -> None:
     result = CliRunner().invoke(cli, ["serve", "--engine-protocol", "rmda"])
     assert result.exit_code == 2
-    assert "--engine-protocol" in result.output and "'tcp' or 'rdma'" in result.output
+    assert "--engine-protocol" in result.output
+    assert "'tcp' or 'rdma'" in result.output
     assert not captured
     assert CliRunner().invoke(cli, ["serve", "--engine-protocol", "rdma"]).exit_code == 0
 

@@ -78,7 +78,8 @@ def test_a_port_in_use_fails_at_once_before_the_model_loads() -> None:
     assert "Traceback" not in stderr
     assert "model loaded" not in stderr
     # Bound before anything else: no engine started, no arena registered.
-    assert "transfer engine ready" not in stderr and "registered" not in stderr, stderr
+    assert "transfer engine ready" not in stderr, stderr
+    assert "registered" not in stderr, stderr
 
 
 def test_the_demo_keeps_mooncake_info_lines_out_of_its_output() -> None:
