@@ -110,10 +110,10 @@ def bench(cost_model: str | None, as_json: bool, **options: Any) -> None:
     """Measure the served paths against their raw parts and an asyncio peer, in one run.
 
     /send: raw Mooncake transfers vs /send of the same bytes (arena on and off) vs the same
-    sends through an asyncio (FastAPI/uvicorn) model of the seed's fixed path, per embedding
-    size and TP, ranks and clients in a separate process. Encoder: the model's forward at
-    B = --max-batch-size vs /encode over HTTP with distinct images. A probe polls /health
-    meanwhile. The defaults take several minutes on 2 cores; run it on an idle machine.
+    sends through an asyncio (FastAPI/uvicorn) model of SGLang's /send after its race fix,
+    per embedding size and TP, ranks and clients in a separate process. Encoder: the model's
+    forward at B = --max-batch-size vs /encode over HTTP with distinct images. A probe polls
+    /health meanwhile. The defaults take several minutes on 2 cores; run it on an idle machine.
     With --model, nothing is measured: a cost model runs in virtual time instead.
     """
     setup_logging("WARNING")

@@ -188,11 +188,17 @@ class NotReady(RequestError):
 
 
 class ShuttingDown(RequestError):
-    """The server is stopping and cut the request short; retry on another server (503)."""
+    """The server is stopping and cut the request short, or takes no new one; retry on another
+    server (503)."""
 
     status = 503
     kind = "shutting_down"
     retry_after = 5
+
+    def __init__(
+        self, message: str = "the server is shutting down", *, req_id: str | None = None
+    ) -> None:
+        super().__init__(message, req_id=req_id)
 
 
 class ScopeExpired(RequestError):

@@ -207,9 +207,9 @@ class RequestScope:
         """
         if not self._started.is_set():  # no scheduler pass when there is nothing to wait for
             await self._started.wait()
-        if receiver in self._done and self.shape is not None:
-            assert self.receive_count is not None  # fixed before the first transfer
-            return SendReport(self.shape, len(self._done), self.receive_count, repeat=True)
+        again = SendReport.again(receiver, self.shape, self._done, self.receive_count)
+        if again is not None:
+            return again
         if not self.accepting:
             raise self._why_not_served()
         assert self._nursery is not None
@@ -468,7 +468,7 @@ class RequestScope:
                 "the request is complete: all receivers have been sent to", req_id=self.req_id
             )
         if reason == "shutdown" or reason is None:
-            return ShuttingDown("the server is shutting down", req_id=self.req_id)
+            return ShuttingDown(req_id=self.req_id)
         return RequestReleased(f"the request has ended ({reason})", req_id=self.req_id)
 
 

@@ -64,6 +64,13 @@ class ScopeRegistry:
         self._remember_released = remember_released
         self._remember_seconds = remember_seconds
         self.closed = False
+        """Set at shutdown: no new scope opens."""
+
+    def refuse_if_closed(self, req_id: str) -> None:
+        """Raise :class:`ShuttingDown` for a call that would need a new scope after shutdown
+        began."""
+        if self.closed:
+            raise ShuttingDown(req_id=req_id)
 
     def __len__(self) -> int:
         return len(self._scopes)
@@ -81,8 +88,7 @@ class ScopeRegistry:
         if scope is not None:
             scope.check_receive_count(receive_count)
             return scope
-        if self.closed:
-            raise ShuttingDown("the server is shutting down", req_id=req_id)
+        self.refuse_if_closed(req_id)
         scope = RequestScope(
             req_id,
             receive_count=receive_count,
@@ -124,10 +130,9 @@ class ScopeRegistry:
         """The answer again for a receiver of a completed request that already got its bytes
         (its first 200 was lost); None if that is not the case."""
         tomb = self._live_tombstone(req_id)
-        if tomb is None or tomb.shape is None or receiver not in tomb.done:
+        if tomb is None:
             return None
-        assert tomb.receive_count is not None  # fixed before the first transfer
-        return SendReport(tomb.shape, len(tomb.done), tomb.receive_count, repeat=True)
+        return SendReport.again(receiver, tomb.shape, tomb.done, tomb.receive_count)
 
     async def _run_scope(
         self, scope: RequestScope, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED

@@ -32,7 +32,6 @@ from trio_encode.errors import (
     EncodeNotArrived,
     InvalidInput,
     RequestError,
-    ShuttingDown,
 )
 from trio_encode.ledger import Lease, RegistrationLedger
 from trio_encode.observer import LifecycleObserver, NullObserver
@@ -294,8 +293,7 @@ class EncodeService:
         part = part or Part()
         scope = self.registry.find_live(req_id)
         if scope is None:
-            if self.registry.closed:
-                raise ShuttingDown("the server is shutting down", req_id=req_id)
+            self.registry.refuse_if_closed(req_id)
             self._raise_if_family_failed(req_id, part)
             # Check the input before a scope exists: bad input must leave nothing behind.
             try:
@@ -427,8 +425,7 @@ class EncodeService:
         """
         scope = self.registry.find_live(req_id)
         if scope is None:
-            if self.registry.closed:
-                raise ShuttingDown("the server is shutting down", req_id=req_id)
+            self.registry.refuse_if_closed(req_id)
             self._raise_if_failed(req_id)
             with trio.move_on_after(self.settings.pull_timeout) as waited:
                 await self.arrivals.wait(req_id)
@@ -438,8 +435,8 @@ class EncodeService:
                     req_id=req_id,
                 )
             scope = self.registry.find_live(req_id)
-            if scope is None and self.registry.closed:  # woken by shutdown, not by an /encode
-                raise ShuttingDown("the server is shutting down", req_id=req_id)
+            if scope is None:  # woken by shutdown, not by an /encode
+                self.registry.refuse_if_closed(req_id)
             scope = scope or self.registry.require_live(req_id)
         scope.check_receive_count(receive_count)
         shape = await scope.wait_encoded()

@@ -1,4 +1,4 @@
-"""The peer row: an asyncio encode server that follows the seed's fixed ``/send`` path.
+"""The peer row: an asyncio encode server that sends the way SGLang's does after its race fix.
 
 This is our own small model of how SGLang's encode server sends after its race fix, written
 here to be timed against the same load, not SGLang's code: FastAPI on uvicorn (SGLang's

@@ -155,7 +155,7 @@ class BenchResult:
             f"torch threads {self.torch_threads}",
             "",
             "/send: every rank sends every req_id in turn; ranks and clients in a separate process",
-            "  peer: an asyncio (FastAPI/uvicorn) model of the seed's fixed path; "
+            "  peer: an asyncio (FastAPI/uvicorn) model of SGLang's /send after its race fix; "
             "http ms: one rank's /send answered as a repeat (no bytes moved)",
             f"{'embedding':>10}{'TP':>4}{'arena':>7}{'raw':>12}{'served':>12}{'peer':>12}"
             f"{'served/raw':>12}{'served/peer':>13}{'reg/req':>9}{'http ms':>9}",
