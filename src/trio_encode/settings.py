@@ -18,6 +18,7 @@ prefixed ``engine_``. Values are checked once, by the models, whichever place th
 
 from __future__ import annotations
 
+import difflib
 import os
 import tomllib
 from collections.abc import Callable, Mapping
@@ -301,7 +302,33 @@ def _from_config_file(state: Mapping[str, Any]) -> dict[str, Any]:
         raise SettingsError(f"config file {path}: {error}") from error
     if "config" in data:
         raise SettingsError(f"config file {path}: a config file cannot name another")
-    return data
+    return config_keys(data, where=f"config file {path}")
+
+
+def config_keys(data: Mapping[str, Any], *, where: str) -> dict[str, Any]:
+    """A config file's keys as flat names: a key may be a setting's flat name or any of its
+    flags' long names with underscores (``api_key`` for ``token``); an unknown key is an error
+    that names the closest known ones."""
+    known = {entry.name: entry.name for entry in catalog()}
+    for entry in catalog():
+        for flag in entry.aliases:
+            known[flag.removeprefix("--").replace("-", "_")] = entry.name
+    found: dict[str, Any] = {}
+    given_as: dict[str, str] = {}
+    for key, value in data.items():
+        if key in SECTIONS:
+            found[key] = value
+            continue
+        name = known.get(key)
+        if name is None:
+            close = difflib.get_close_matches(key, list(known), n=3, cutoff=0.6)
+            hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+            raise SettingsError(f"{where}: unknown setting {key!r}{hint}")
+        if name in given_as:
+            raise SettingsError(f"{where}: {given_as[name]!r} and {key!r} both set {name!r}")
+        given_as[name] = key
+        found[name] = value
+    return found
 
 
 class _Layer(PydanticBaseSettingsSource):
