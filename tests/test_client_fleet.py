@@ -10,12 +10,14 @@ import pytest
 import torch
 import trio
 
-from support.engines import RankEngines
+from support.engines import DelayedTransferEngine, RankEngines
 from support.harness import landing_pools, serving
-from trio_encode.client import EncodeResult, LandingPool
+from trio_encode.client import EncodeResult, LandingPool, PoolExhausted
 from trio_encode.client.fleet import EncoderList, FleetClient, NoEncoderAvailable
 from trio_encode.client.health import HealthTracker
 from trio_encode.client.ranking import content_digest, rank
+from trio_encode.errors import EngineFailed
+from trio_encode.testing.faults import FaultPlan, FaultyEngine
 from trio_encode.testing.images import image_uri
 from trio_encode.testing.stand_in_encoder import embedding_size, expected_embedding
 
@@ -46,16 +48,14 @@ async def test_a_dead_encoder_is_failed_over_then_skipped(rank_engines: RankEngi
         expected = expected_embedding([item_bytes(item)]).view(torch.uint8).flatten()
         async with FleetClient.open(encoders) as client:
             for attempt in range(2):
-                slot = pools[attempt].allocate(embedding_size(1))
                 result = await client.encode_and_send(
-                    f"f{attempt}",
-                    [item],
-                    session_id=pools[attempt].session_id,
-                    allocate=lambda _answer, slot=slot: slot.address,
-                    receive_count=1,
+                    f"f{attempt}", [item], pool=pools[attempt], receive_count=1
                 )
                 assert result.encoder == harness.running.url
-                assert torch.equal(_landed(pools[attempt], result.encoded, slot.address), expected)
+                landed = _landed(pools[attempt], result.encoded, result.slot.address)
+                assert torch.equal(landed, expected)
+                # The dead encoder failed its /encode: no /send named a slot, none quarantined.
+                assert pools[attempt].quarantined_bytes == 0
                 # The first request found the dead encoder; the second skipped it (down).
                 assert result.failovers == (1 if attempt == 0 else 0)
             assert client.health.down() == [DEAD]
@@ -63,12 +63,14 @@ async def test_a_dead_encoder_is_failed_over_then_skipped(rank_engines: RankEngi
         await harness.settled()
 
 
-async def test_no_encoder_up_is_a_clear_error() -> None:
-    async with FleetClient([DEAD, "http://127.0.0.1:2"]) as client:
+async def test_no_encoder_up_is_a_clear_error(rank_engines: RankEngines) -> None:
+    async with (
+        FleetClient([DEAD, "http://127.0.0.1:2"]) as client,
+        landing_pools(rank_engines, embedding_size(1)) as pools,
+    ):
         with pytest.raises(NoEncoderAvailable, match="all 2 encoders failed"):
-            await client.encode_and_send(
-                "n", [image_uri(b"x")], session_id="127.0.0.1:3", allocate=lambda _: 0
-            )
+            await client.encode_and_send("n", [image_uri(b"x")], pool=pools[0])
+        assert pools[0].free_bytes == pools[0].nbytes
 
 
 async def test_a_forced_split_lands_correct_bytes_everywhere_and_is_counted(
@@ -91,17 +93,10 @@ async def test_a_forced_split_lands_correct_bytes_everywhere_and_is_counted(
         results = {}
 
         async def rank_request(r: int) -> None:
-            slot = pools[r].allocate(embedding_size(1))
-            results[r] = (
-                slot,
-                await clients[r].encode_and_send(
-                    "split",
-                    [item],
-                    session_id=pools[r].session_id,
-                    allocate=lambda _answer: slot.address,
-                    receive_count=4,
-                ),
+            result = await clients[r].encode_and_send(
+                "split", [item], pool=pools[r], receive_count=4
             )
+            results[r] = (result.slot, result)
 
         async with trio.open_nursery() as nursery:
             for r in range(4):
@@ -140,3 +135,57 @@ def item_bytes(item: str) -> bytes:
     import base64
 
     return base64.b64decode(item.partition(",")[2])
+
+
+async def test_a_failover_lands_in_a_fresh_slot_while_the_first_encoder_still_writes(
+    rank_engines: RankEngines,
+) -> None:
+    """Encoder A takes the /send and starts its transfer, but the rank's call times out, so it
+    fails over to B. A's transfer lands later: in the slot the rank gave up (quarantined),
+    never in the one B answered 200 for, which the rank has read and reused by then."""
+    slow = DelayedTransferEngine(rank_engines.server, delay=3.0)
+    async with (
+        serving(slow) as first,
+        serving(rank_engines.server) as second,
+        landing_pools(rank_engines, 2 * embedding_size(1) + 64) as pools,
+    ):
+        encoders = [first.running.url, second.running.url]
+        item = _item_ranking_first(first.running.url, encoders)
+        expected = expected_embedding([item_bytes(item)]).view(torch.uint8).flatten()
+        pool = pools[0]
+        async with FleetClient(encoders, timeout=1.5) as client:
+            result = await client.encode_and_send("late", [item], pool=pool, receive_count=1)
+        assert (result.encoder, result.failovers) == (second.running.url, 1)
+        slot, size = result.slot, result.encoded.embedding_size
+        slot.verify(size, result.encoded.checksum)
+        assert pool.quarantined_bytes == slot.nbytes, "the slot A may still write is kept"
+        with pytest.raises(PoolExhausted):
+            pool.allocate(size)  # and not handed out again
+        slot.raw().zero_()  # the rank has used its bytes and reuses the buffer
+        await first.settled(within=10.0)  # A's transfer has returned: its bytes landed
+        assert not bool(slot.raw().any()), "A's late write landed after B's 200"
+        first_slot = pool.tensor[: expected.numel()] if slot.offset else None
+        assert first_slot is not None
+        assert torch.equal(first_slot, expected), "A's bytes are in the quarantined slot"
+        slot.release()
+        await second.settled()
+
+
+async def test_a_send_failing_with_the_requests_own_error_quarantines_its_slot(
+    rank_engines: RankEngines,
+) -> None:
+    """The request's own error from /send (here the engine failed the transfer) is raised and
+    leaves no slot allocated to the caller: the slot is quarantined, not released, since a
+    transfer the server gave up on may still write into it."""
+    failing = FaultyEngine(rank_engines.server, FaultPlan(transfer=1.0))
+    async with (
+        serving(failing, send_timeout=1.0) as only,
+        landing_pools(rank_engines, embedding_size(1)) as pools,
+        FleetClient([only.running.url]) as client,
+    ):
+        pool = pools[0]
+        with pytest.raises(EngineFailed):
+            await client.encode_and_send("own", [image_uri(b"own")], pool=pool, receive_count=1)
+        assert pool.quarantined_bytes == pool.nbytes
+        assert pool.free_bytes == 0
+        await only.settled()  # the scope waited for a retry until its backstop

@@ -36,3 +36,24 @@ async def test_a_slot_reads_back_as_the_embedding_it_holds(rank_engines: RankEng
         slot.release()
         with pytest.raises(RuntimeError, match="released"):
             slot.raw()
+
+
+async def test_a_quarantined_slot_stays_out_of_use_for_its_stale_seconds(
+    rank_engines: RankEngines,
+) -> None:
+    """After a failed /send, bytes of that request may still land in the slot: the pool keeps
+    the range out of use until ``stale_seconds`` have passed, then hands it out again."""
+    now = [0.0]
+    async with LandingPool.open(
+        rank_engines.ranks[0], 4096, stale_seconds=30.0, clock=lambda: now[0]
+    ) as pool:
+        failed = pool.allocate(4096)
+        failed.quarantine()
+        failed.release()  # already given up: ignored
+        assert (pool.free_bytes, pool.quarantined_bytes) == (0, 4096)
+        now[0] = 29.9
+        with pytest.raises(PoolExhausted, match="4096 quarantined"):
+            pool.allocate(64)
+        now[0] = 30.0
+        assert pool.quarantined_bytes == 0
+        assert pool.allocate(4096).address == pool.address

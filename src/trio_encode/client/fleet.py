@@ -4,8 +4,10 @@ Each request goes to the encoder that ranks first for its content
 (:mod:`trio_encode.client.ranking`) among those believed up
 (:mod:`trio_encode.client.health`). If that encoder refuses the connection, drops it, or
 answers 503, it is marked down and the request runs again, ``/encode`` and ``/send`` both, on
-the next encoder in the ranking. Every other error is the request's own (bad input, an engine
-failure, an expired scope) and is raised: another encoder would answer the same.
+the next encoder in the ranking, into a fresh landing slot (the first encoder's transfer may
+still be writing into the old one, which stays quarantined). Every other error is the
+request's own (bad input, an engine failure, an expired scope) and is raised: another encoder
+would answer the same.
 
 Siblings that disagree about which encoder is up split a request across two encoders. Each
 rank still gets the right bytes (the encoders run the same model), but each encoder's scope
@@ -20,7 +22,7 @@ restarting the ranks.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +39,7 @@ from trio_encode.client.http import (
     UnexpectedResponse,
 )
 from trio_encode.client.ranking import content_digest, rank, request_digest
+from trio_encode.client.receiver import LandingPool, LandingSlot
 from trio_encode.errors import Overloaded, RequestError, ShuttingDown
 
 log = logging.getLogger(__name__)
@@ -101,6 +104,9 @@ class FleetResult:
     sent: SendResult
     failovers: int
     """Encoders tried and given up on before this one."""
+    slot: LandingSlot
+    """Where the bytes landed (verified by the caller with ``encoded.checksum``); the caller
+    releases it."""
 
 
 @dataclass
@@ -177,51 +183,70 @@ class FleetClient:
         req_id: str,
         mm_items: list[str],
         *,
-        session_id: str,
-        allocate: Callable[[EncodeResult], int],
+        pool: LandingPool,
         receive_count: int | None = None,
         **echo: Any,
     ) -> FleetResult:
-        """``/encode`` then ``/send`` into ``session_id``, failing over along the ranking.
+        """``/encode`` then ``/send`` into a slot of ``pool``, failing over along the ranking.
 
-        ``allocate`` is called once, with the first successful ``/encode`` answer, and returns
-        the ``buffer_address`` to land in; after a failover the same address is used again.
-        Raises :class:`NoEncoderAvailable` when every encoder failed, or the request's own
-        error (:mod:`trio_encode.errors`, :class:`~trio_encode.client.TransferFailed`).
+        The slot is allocated from the first successful ``/encode`` answer and returned in the
+        result (release it when its bytes are used). A ``/send`` that did not answer 200 may
+        still have a transfer in flight into its slot, from an encoder this client has given up
+        on: that slot is quarantined (:meth:`LandingSlot.quarantine`) and the next encoder
+        sends into a fresh one, so a late write of the first can never land where the second
+        was answered 200. Raises :class:`NoEncoderAvailable` when every encoder failed, or the
+        request's own error (:mod:`trio_encode.errors`,
+        :class:`~trio_encode.client.TransferFailed`); no slot is left allocated then.
         """
         order = self.ranking(mm_items, req_id)
         self.health.forget(order)
-        address: int | None = None
-        size = 0
+        slot: LandingSlot | None = None
+        size: int | None = None
         tried: list[str] = []
-        for encoder in order:
-            client = self._client(encoder)
-            try:
-                encoded = await client.encode(req_id, mm_items, receive_count=receive_count, **echo)
-                if address is None:
-                    address, size = allocate(encoded), encoded.embedding_size
-                elif encoded.embedding_size > size:
-                    raise UnexpectedResponse(
-                        f"{encoder} answered {encoded.embedding_size} bytes where "
-                        f"{tried[-1]} answered {size}: the fleet runs different models",
-                        req_id=req_id,
+        try:
+            for encoder in order:
+                client = self._client(encoder)
+                try:
+                    encoded = await client.encode(
+                        req_id, mm_items, receive_count=receive_count, **echo
                     )
-                sent = await client.send(req_id, session_id, address)
-            except (httpx.TransportError, Overloaded, ShuttingDown) as exc:
-                log.warning(
-                    "encoder %s failed (%s: %s); failing over",
-                    encoder,
-                    type(exc).__name__,
-                    exc,
-                    extra={"req_id": req_id},
-                )
-                self.health.mark_down(encoder)
-                tried.append(encoder)
-                continue
-            self.health.mark_up(encoder)
-            self.stats.served[encoder] = self.stats.served.get(encoder, 0) + 1
-            self.stats.failovers += len(tried)
-            return FleetResult(encoder, encoded, sent, failovers=len(tried))
+                    if size is None:
+                        size = encoded.embedding_size
+                    elif encoded.embedding_size > size:
+                        raise UnexpectedResponse(
+                            f"{encoder} answered {encoded.embedding_size} bytes where "
+                            f"{tried[-1]} answered {size}: the fleet runs different models",
+                            req_id=req_id,
+                        )
+                    if slot is None:
+                        slot = pool.allocate(size)
+                    try:
+                        sent = await client.send(req_id, pool.session_id, slot.address)
+                    except BaseException:
+                        # Not answered 200: that encoder's transfer may still be writing here.
+                        slot.quarantine()
+                        slot = None
+                        raise
+                except (httpx.TransportError, Overloaded, ShuttingDown) as exc:
+                    log.warning(
+                        "encoder %s failed (%s: %s); failing over",
+                        encoder,
+                        type(exc).__name__,
+                        exc,
+                        extra={"req_id": req_id},
+                    )
+                    self.health.mark_down(encoder)
+                    tried.append(encoder)
+                    continue
+                self.health.mark_up(encoder)
+                self.stats.served[encoder] = self.stats.served.get(encoder, 0) + 1
+                self.stats.failovers += len(tried)
+                result = FleetResult(encoder, encoded, sent, failovers=len(tried), slot=slot)
+                slot = None  # the caller's now
+                return result
+        finally:
+            if slot is not None:
+                slot.release()  # allocated, never named in a /send
         self.stats.failovers += len(tried)
         raise NoEncoderAvailable(
             f"all {len(tried)} encoders failed: {', '.join(tried)}", req_id=req_id

@@ -4,12 +4,20 @@ Registering memory is slow on RDMA (pages are pinned), so a rank registers one l
 and hands out slots from it, rather than registering a buffer per request. A slot is the
 ``buffer_address`` a rank names in ``/send``; once the answer arrives its bytes have landed and
 can be read back as a tensor. Release the slot when done with it.
+
+A slot whose ``/send`` did not answer 200 (an error, a timeout, a dropped connection) is not
+released but quarantined (:meth:`LandingSlot.quarantine`): the server may still have a transfer
+of that request in flight into it (Mooncake cannot cancel one), and bytes already in the
+kernel's socket buffers can land even after that transfer failed. The pool keeps its range out
+of use for ``stale_seconds`` (the bound ``docs/api.md`` states), so no later request lands
+where they may still arrive. :meth:`LandingSlot.verify` stays the check before any use.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -20,6 +28,13 @@ from trio_encode.embedding import TORCH_DTYPES, checksum_of
 from trio_encode.engine import TransferEngine
 
 _ALIGN = 64  # cache-line aligned slots: no two slots share a line the engine writes
+
+STALE_SECONDS = 360.0
+"""How long a slot whose ``/send`` failed stays out of use by default: the server's default
+``--send-timeout`` (180 s: a send it has not withdrawn may start its transfer until then) plus
+its default ``--engine-progress-timeout`` (175 s: how long a stalled transfer may go on before
+Mooncake fails it), plus 5 s for bytes still in socket buffers. Servers with other settings
+need ``send_timeout + progress_timeout + 5``."""
 
 
 class PoolExhausted(Exception):
@@ -80,6 +95,15 @@ class LandingSlot:
             self.released = True
             self.pool._free(self.offset, self.nbytes)
 
+    def quarantine(self) -> None:
+        """Give the slot up after a ``/send`` into it failed (an error answer, a timeout, a
+        dropped connection): bytes of that request may still land in it, so the pool keeps its
+        range out of use for its ``stale_seconds`` before handing it out again. Once; later
+        calls (and a later :meth:`release`) are ignored."""
+        if not self.released:
+            self.released = True
+            self.pool._quarantine(self.offset, self.nbytes)
+
     def _check(self) -> None:
         if self.released:
             raise RuntimeError("the slot was released")
@@ -88,20 +112,40 @@ class LandingSlot:
 class LandingPool:
     """A registered ``uint8`` tensor on one engine, carved into slots (first fit)."""
 
-    def __init__(self, engine: TransferEngine, tensor: torch.Tensor) -> None:
+    def __init__(
+        self,
+        engine: TransferEngine,
+        tensor: torch.Tensor,
+        *,
+        stale_seconds: float = STALE_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if stale_seconds < 0:
+            raise ValueError("stale_seconds must be >= 0")
         self.engine = engine
         self.tensor = tensor
+        self.stale_seconds = stale_seconds
+        """Seconds a quarantined slot stays out of use (:data:`STALE_SECONDS` by default)."""
+        self._clock = clock
         self._free_ranges: list[tuple[int, int]] = [(0, tensor.numel())]  # (offset, length)
+        self._quarantined: list[tuple[float, int, int]] = []  # (usable again at, offset, length)
 
     @classmethod
     @asynccontextmanager
-    async def open(cls, engine: TransferEngine, nbytes: int) -> AsyncIterator[LandingPool]:
+    async def open(
+        cls,
+        engine: TransferEngine,
+        nbytes: int,
+        *,
+        stale_seconds: float = STALE_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> AsyncIterator[LandingPool]:
         """Allocate and register ``nbytes`` of zeroed memory on ``engine``; deregister on exit
         (the memory stays alive until then, so no transfer can land in freed memory)."""
         if nbytes <= 0:
             raise ValueError("a landing pool needs a positive size")
         tensor = torch.zeros(nbytes, dtype=torch.uint8)
-        pool = cls(engine, tensor)
+        pool = cls(engine, tensor, stale_seconds=stale_seconds, clock=clock)
         await engine.register(pool.address, nbytes)
         try:
             yield pool
@@ -125,12 +169,22 @@ class LandingPool:
 
     @property
     def free_bytes(self) -> int:
+        """Bytes free for new slots now (quarantined ranges whose time has come included)."""
+        self._reclaim()
         return sum(length for _, length in self._free_ranges)
 
+    @property
+    def quarantined_bytes(self) -> int:
+        """Bytes of quarantined slots still out of use."""
+        self._reclaim()
+        return sum(length for _, _, length in self._quarantined)
+
     def allocate(self, nbytes: int) -> LandingSlot:
-        """A slot of at least ``nbytes`` bytes; :class:`PoolExhausted` if none is free."""
+        """A slot of at least ``nbytes`` bytes; :class:`PoolExhausted` if none is free (a
+        quarantined range is not, until its ``stale_seconds`` have passed)."""
         if nbytes <= 0:
             raise ValueError("a slot needs a positive size")
+        self._reclaim()
         size = -(-nbytes // _ALIGN) * _ALIGN
         for index, (offset, length) in enumerate(self._free_ranges):
             if length >= size:
@@ -140,8 +194,23 @@ class LandingPool:
                     self._free_ranges[index] = (offset + size, length - size)
                 return LandingSlot(self, offset, size)
         raise PoolExhausted(
-            f"no free {size}-byte range in the landing pool ({self.free_bytes} bytes free)"
+            f"no free {size}-byte range in the landing pool ({self.free_bytes} bytes free, "
+            f"{self.quarantined_bytes} quarantined after failed sends)"
         )
+
+    def _quarantine(self, offset: int, length: int) -> None:
+        self._quarantined.append((self._clock() + self.stale_seconds, offset, length))
+
+    def _reclaim(self) -> None:
+        """Free the quarantined ranges whose time has passed."""
+        if not self._quarantined:
+            return
+        now = self._clock()
+        due = [entry for entry in self._quarantined if entry[0] <= now]
+        if due:
+            self._quarantined = [entry for entry in self._quarantined if entry[0] > now]
+            for _, offset, length in due:
+                self._free(offset, length)
 
     def _free(self, offset: int, length: int) -> None:
         index = bisect.bisect(self._free_ranges, (offset, length))

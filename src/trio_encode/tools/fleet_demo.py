@@ -36,7 +36,6 @@ from pydantic.dataclasses import dataclass as settings_dataclass
 
 from trio_encode.client import (
     ChecksumMismatch,
-    EncodeResult,
     FleetClient,
     LandingPool,
     LandingSlot,
@@ -52,6 +51,7 @@ from trio_encode.testing.images import noise_uri
 from trio_encode.tools.progress import Steps
 
 _SLOT_BYTES = 16 << 20  # room for one request's embedding per concurrent request and rank
+_POOL_SLOTS = 2  # per concurrent request: a send cut off by the kill quarantines its slot
 _STORE_SEGMENT_BYTES = 256 << 20  # each encoder's share of the store
 
 
@@ -335,7 +335,7 @@ async def _run_cluster(config: FleetDemoConfig, outcome: FleetOutcome, steps: St
                 one()
         pools = [
             await stack.enter_async_context(
-                LandingPool.open(engine, config.concurrency * _SLOT_BYTES)
+                LandingPool.open(engine, _POOL_SLOTS * config.concurrency * _SLOT_BYTES)
             )
             for engine in engines
         ]
@@ -372,21 +372,11 @@ async def _workload(
     async def rank_request(req: int, r: int) -> None:
         image = order[req]
         slot: LandingSlot | None = None
-
-        def allocate(answer: EncodeResult) -> int:
-            nonlocal slot
-            slot = pools[r].allocate(answer.embedding_size)
-            return slot.address
-
         try:
             result = await clients[r].encode_and_send(
-                f"fleet-{req}",
-                [images[image]],
-                session_id=pools[r].session_id,
-                allocate=allocate,
-                receive_count=config.ranks,
+                f"fleet-{req}", [images[image]], pool=pools[r], receive_count=config.ranks
             )
-            assert slot is not None
+            slot = result.slot
             size = result.encoded.embedding_size
             slot.verify(size, result.encoded.checksum)
             if checksums.setdefault(image, result.encoded.checksum) != result.encoded.checksum:
