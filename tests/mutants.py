@@ -154,10 +154,14 @@ MUTANTS: dict[str, Mutant] = {
         ("tests/test_registration_ledger.py::test_lease_waiting_for_a_deregistration_blocks",),
     ),
     "a withdrawn send still transfers (failure 11)": Mutant(
+        # Once registered, a send counted as transferring while it waited for a thread.
         "scope.py",
-        "attempt.transferring = not attempt.withdraw.cancel_called",
-        "attempt.transferring = True",
-        (FAULTS + "test_a_withdrawn_send_never_writes_after_its_retry_answered",),
+        "            if attempt.waiters == 0 and not attempt.done.is_set():",
+        "            if attempt.waiters == 0 and not attempt.done.is_set() and not self._leases:",
+        (
+            FAULTS + "test_a_send_waiting_for_a_thread_is_withdrawn_when_its_client_leaves",
+            FAULTS + "test_a_withdrawn_send_never_writes_after_its_retry_answered",
+        ),
     ),
     "a scope opens inside its opener's cancellation (failure 12)": Mutant(
         "scopes.py",
@@ -167,9 +171,33 @@ MUTANTS: dict[str, Mutant] = {
     ),
     "a frozen rank may hold every transfer thread (failure 13)": Mutant(
         "engine/threads.py",
-        "                self.settings.sends_per_session\n",
-        "                1_000_000\n",
+        "self.settings.sends_per_session),",
+        "1_000_000),",
         (FAULTS + "test_a_frozen_rank_parks_only_its_own_sends",),
+    ),
+    "a frozen node may hold every transfer thread (failure 13)": Mutant(
+        "engine/threads.py",
+        "self.settings.sends_per_host),",
+        "1_000_000),",
+        (FAULTS + "test_a_frozen_node_leaves_the_threads_another_node_needs",),
+    ),
+    "a receiver's bound is never forgotten (failure 13)": Mutant(
+        "engine/threads.py",
+        "        if _in_use(limiter) == 0:\n            limiters.pop(key, None)",
+        "        if False:\n            limiters.pop(key, None)",
+        (FAULTS + "test_a_frozen_node_leaves_the_threads_another_node_needs",),
+    ),
+    "a refused submission does not end the write": Mutant(
+        "engine/mooncake.py",
+        "            code = TRANSFER_FAILED\n            break",
+        "            code = TRANSFER_FAILED\n            continue",
+        ("tests/test_engine_polling.py::test_a_refused_submission_ends_the_write",),
+    ),
+    "batches the engine stopped waiting for are forgotten (failure 19)": Mutant(
+        "engine/mooncake.py",
+        "        if pending:\n            self._abandoned.append(",
+        "        if False:\n            self._abandoned.append(",
+        ("tests/test_scope_held_memory_mooncake.py",),
     ),
     "a 503 from the encoder is remembered (failure 14)": Mutant(
         "scope.py",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from trio_encode.engine.mooncake import transfer_timeout, wait_until_done
+from trio_encode.engine.mooncake import transfer_timeout, wait_until_done, write_segments
 
 
 class FakeTime:
@@ -109,3 +109,32 @@ def test_the_timeout_follows_mooncakes_rule(monkeypatch: pytest.MonkeyPatch) -> 
     assert transfer_timeout(10**9) == 31.0
     monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "2")
     assert transfer_timeout(0) == 5.0
+
+
+class FakeMooncake:
+    """The two binding calls a write makes: submissions answered from a script, and every
+    status check recorded (every batch is done when asked)."""
+
+    def __init__(self, batch_ids: list[int]) -> None:
+        self.batch_ids = batch_ids
+        self.submitted: list[int] = []
+        self.asked: list[int] = []
+
+    def transfer_submit_write(self, session_id: str, address: int, remote: int, n: int) -> int:
+        self.submitted.append(address)
+        return self.batch_ids.pop(0)
+
+    def transfer_check_status(self, batch_id: int) -> int:
+        self.asked.append(batch_id)
+        return 1
+
+
+def test_a_refused_submission_ends_the_write() -> None:
+    """A submission Mooncake refuses (-1: no batch) ends the call: no later segment is
+    submitted, the refused one is never asked about (it is no batch), and the ones already
+    submitted are waited for."""
+    raw = FakeMooncake([7, -1, 9])
+    segments = [(0x1000, 16), (0x2000, 16), (0x3000, 16)]
+    assert write_segments(raw, "peer:1", segments, 0x9000) == (-1, [])
+    assert raw.submitted == [0x1000, 0x2000]
+    assert raw.asked == [7]

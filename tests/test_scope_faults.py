@@ -82,6 +82,37 @@ async def test_a_withdrawn_send_never_writes_after_its_retry_answered(
         assert a.landed(NBYTES) == rig.expected["r1"]
 
 
+async def test_a_send_waiting_for_a_thread_is_withdrawn_when_its_client_leaves(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Waiting for a transfer thread (or a slot of the receiver's bound) is not transferring:
+    a client that leaves then withdraws its send, which never writes afterwards; its retry
+    starts afresh and is served."""
+    threads = ThreadSettings(transfer_threads=1, control_threads=1, sends_per_session=1)
+    async with lifecycle_rig(threads=threads) as rig:
+        encode, _ = rig.encoder("r1", seed=1)
+        await rig.open("r1", encode, receive_count=2)
+        busy, late = await rig.landings(2)
+        scope = rig.registry.require_live("r1")
+        gate = rig.sender.gate("transfer")
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(scope.send, busy.receiver)
+            await gate.wait_arrivals(1)  # busy's transfer holds the only thread
+            with trio.move_on_after(1) as gone:  # late's client leaves while its send waits
+                await scope.send(late.receiver)
+            assert gone.cancelled_caught
+            gate.open()
+        await trio.testing.wait_all_tasks_blocked()
+        assert [c.remote_address for c in rig.sender.calls("transfer")] == [
+            busy.receiver.buffer_address
+        ], "a withdrawn send transferred"
+        assert late.landed(NBYTES) == bytes(NBYTES)
+        report = await scope.send(late.receiver)  # the retry is a new send
+        assert not report.repeat
+        assert late.landed(NBYTES) == rig.expected["r1"]
+        await rig.assert_nothing_held()
+
+
 class _SlowLoadEncoder:
     """Loads items in a "thread" that a cancelled caller still waits for (shielded), as
     ``trio.to_thread.run_sync(abandon_on_cancel=False)`` does."""
@@ -345,6 +376,48 @@ async def test_a_frozen_rank_parks_only_its_own_sends(
         assert len(answers) == 12
         assert all(isinstance(a, EngineError) and a.code == TRANSFER_FAILED for a in answers)
         await rig.assert_nothing_held()
+
+
+async def test_a_frozen_node_leaves_the_threads_another_node_needs(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A TP=4 node whose ranks all stop answering holds at most ``sends_per_host`` transfer
+    threads (not ``sends_per_session`` per rank, which would take them all); a send to another
+    node goes at once."""
+    threads = ThreadSettings(
+        transfer_threads=8, control_threads=2, sends_per_session=2, sends_per_host=4
+    )
+    async with lifecycle_rig(threads=threads) as rig:
+        node = [await rig.landing(name="node-a") for _ in range(4)]
+        healthy = await rig.landing(name="node-b")
+        for rank in node:
+            rig.fabric.freeze(rank.engine.session_id)
+
+        async def stuck(i: int) -> None:
+            encode, _ = rig.encoder(f"stuck{i}", seed=100 + i)
+            await rig.open(f"stuck{i}", encode)
+            with pytest.raises(EngineError):
+                await rig.registry.require_live(f"stuck{i}").send(node[i % 4].receiver)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(16):
+                nursery.start_soon(stuck, i)
+            await trio.sleep(1)
+            frozen = {rank.engine.session_id for rank in node}
+            into_node = [c for c in rig.sender.in_flight if c.session_id in frozen]
+            assert len(into_node) == threads.sends_per_host
+            # the rest queue behind their own rank's bound, then behind the node's
+            assert rig.sender.threads.host_sends_in_flight("node-a") == 4 * 2
+
+            began = trio.current_time()
+            encode, _ = rig.encoder("other", seed=7)
+            await rig.open("other", encode)
+            await rig.registry.require_live("other").send(healthy.receiver)
+            assert trio.current_time() - began < 1, "the other node's send waited"
+            assert healthy.landed(NBYTES) == rig.expected["other"]
+        await trio.sleep(180)  # the stuck requests' backstops
+        await rig.assert_nothing_held()
+        assert rig.sender.threads.bounds_held == 0, "a receiver's bound outlived its sends"
 
 
 async def test_releases_never_wait_behind_transfers(

@@ -75,12 +75,12 @@ class _Attempt:
 
     receiver: Receiver
     done: trio.Event = field(default_factory=trio.Event)
-    # Covers only the phase before the transfer starts: a client that goes away then withdraws
-    # its send; once the transfer has started it completes and counts. A withdrawn attempt
-    # never transfers, even if the engine call it was waiting on returns normally.
+    # Covers everything before the engine submits the transfer (waiting for the embedding, the
+    # registration, a thread, a slot of the receiver's bound): a client that goes away then
+    # withdraws its send; once submitted it completes and counts. A withdrawn attempt never
+    # transfers, even if the register call it was waiting on returns normally.
     withdraw: trio.CancelScope = field(default_factory=trio.CancelScope)
     waiters: int = 0
-    transferring: bool = False
     succeeded: bool = False
     receivers_done: int = 0
     """Distinct receivers done when this send completed (later ones may finish first)."""
@@ -217,6 +217,11 @@ class RequestScope:
             # A send that names no count, to a scope that knows none, means one receiver.
             self.check_receive_count(DEFAULT_RECEIVE_COUNT)
         attempt = self._attempts.get(receiver)
+        if attempt is not None and attempt.withdraw.cancel_called:
+            # Withdrawn, but its engine call has not come back yet: it may have been submitted
+            # just before. Wait for it, then start afresh (or answer as a repeat).
+            await attempt.done.wait()
+            return await self.send(receiver)
         if attempt is None:
             attempt = _Attempt(receiver)
             self._attempts[receiver] = attempt
@@ -226,11 +231,10 @@ class RequestScope:
             await attempt.done.wait()
         finally:
             attempt.waiters -= 1
-            if attempt.waiters == 0 and not attempt.transferring and not attempt.done.is_set():
-                # Nobody waits and nothing moved yet: withdraw it, and let a retry start afresh.
+            if attempt.waiters == 0 and not attempt.done.is_set():
+                # Nobody waits: withdraw it. If the engine has not submitted it, it never
+                # moves a byte; if it has, it completes and counts.
                 attempt.withdraw.cancel()
-                if self._attempts.get(receiver) is attempt:
-                    del self._attempts[receiver]
         if attempt.error is not None:
             raise attempt.error
         assert self.shape is not None
@@ -329,16 +333,19 @@ class RequestScope:
 
     async def _run_attempt(self, attempt: _Attempt) -> None:
         try:
+            transferred = False
             with attempt.withdraw:
                 segments = await self._register_once()
-                # The register call runs shielded, so a withdrawal during it is seen only here.
-                attempt.transferring = not attempt.withdraw.cancel_called
-            if not attempt.transferring:
-                return  # withdrawn before its transfer started: it never happened
-            started = trio.current_time()
-            receiver = attempt.receiver
-            nbytes = sum(length for _, length in segments)
-            await self._engine.transfer(receiver.session_id, segments, receiver.buffer_address)
+                if attempt.withdraw.cancel_called:
+                    return  # withdrawn during the (shielded) register call: it never happened
+                started = trio.current_time()
+                receiver = attempt.receiver
+                nbytes = sum(length for _, length in segments)
+                # Withdrawable until the engine submits it: a cancelled call submits nothing.
+                await self._engine.transfer(receiver.session_id, segments, receiver.buffer_address)
+                transferred = True
+            if not transferred:
+                return  # withdrawn while it waited for a thread or a slot: it never happened
             attempt.succeeded = True
             self._bytes_sent += nbytes
             self._observer.transfer_finished(self.req_id, nbytes, trio.current_time() - started)

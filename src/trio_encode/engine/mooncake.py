@@ -292,10 +292,24 @@ class MooncakeSettings:
         "at most this many threads until Mooncake's own timeout fails them.",
     )
 
+    sends_per_host: int = setting(
+        ThreadSettings.sends_per_host,
+        group="engine",
+        ge=1,
+        help="Transfers in flight to all receiver engines on one host: a node whose ranks all "
+        "stop answering (a frozen TP node) holds at most this many threads, and leaves the "
+        "rest to other nodes.",
+    )
+
     @property
     def threads(self) -> ThreadSettings:
         """The thread pools' sizes (see :mod:`trio_encode.engine.threads`)."""
-        return ThreadSettings(self.transfer_threads, self.control_threads, self.sends_per_session)
+        return ThreadSettings(
+            self.transfer_threads,
+            self.control_threads,
+            self.sends_per_session,
+            self.sends_per_host,
+        )
 
 
 class MooncakeEngine:

@@ -9,7 +9,12 @@ forward pass. So:
 - transfers and control calls (register, deregister) have separate limiters: a release never
   waits behind transfers;
 - each receiver session may hold at most ``sends_per_session`` transfer threads: a frozen rank
-  parks only its own sends, and the others keep the rest of the pool.
+  parks only its own sends, and the others keep the rest of the pool;
+- each receiver *host* may hold at most ``sends_per_host``: a frozen node (all its TP ranks,
+  one engine each) parks only its own sends too, and leaves the threads other nodes need.
+
+A bound's limiter exists only while a send holds or waits for it, so receivers come and go
+(every rank restart brings a new session id) without the map growing.
 
 Waiting for a thread is a checkpoint a cancelled caller leaves from without starting its call;
 once a thread runs, the call runs to completion (the engines never abandon a thread).
@@ -89,9 +94,12 @@ class ThreadSettings:
     sends_per_session: int = 8
     """Transfers in flight to any one receiver engine (``session_id``): a receiver that stops
     answering holds at most this many threads."""
+    sends_per_host: int = 16
+    """Transfers in flight to all the receiver engines of one host (the ``session_id``'s host
+    part): a node that stops answering holds at most this many threads."""
 
     def __post_init__(self) -> None:
-        for name in ("transfer_threads", "control_threads", "sends_per_session"):
+        for name in ("transfer_threads", "control_threads", "sends_per_session", "sends_per_host"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
 
@@ -104,31 +112,62 @@ class EngineThreads:
         self.transfers = trio.CapacityLimiter(self.settings.transfer_threads)
         self.control = trio.CapacityLimiter(self.settings.control_threads)
         self._sessions: dict[str, trio.CapacityLimiter] = {}
+        self._hosts: dict[str, trio.CapacityLimiter] = {}
+
+    @property
+    def bounds_held(self) -> int:
+        """Per-session and per-host limiters alive now (one per receiver and host that has a
+        send holding or waiting for a slot)."""
+        return len(self._sessions) + len(self._hosts)
 
     def sends_in_flight(self, session_id: str) -> int:
         """Transfers holding (or waiting for) a thread for ``session_id`` now."""
-        limiter = self._sessions.get(session_id)
-        if limiter is None:
-            return 0
-        stats = limiter.statistics()
-        return stats.borrowed_tokens + stats.tasks_waiting
+        return _in_use(self._sessions.get(session_id))
+
+    def host_sends_in_flight(self, host: str) -> int:
+        """Transfers holding (or waiting for) a slot of ``host``'s bound now."""
+        return _in_use(self._hosts.get(host))
 
     @asynccontextmanager
     async def session_slot(self, session_id: str) -> AsyncIterator[None]:
-        """Hold one of ``session_id``'s send slots for the body (a transfer to it)."""
-        limiter = self._sessions.get(session_id)
-        if limiter is None:
-            limiter = self._sessions[session_id] = trio.CapacityLimiter(
-                self.settings.sends_per_session
-            )
-        token = object()
+        """Hold one of ``session_id``'s send slots and one of its host's for the body (a
+        transfer to it). The session's is taken first: a send queued behind its own rank's
+        bound holds nothing its host's other ranks need."""
+        async with (
+            _slot(self._sessions, session_id, self.settings.sends_per_session),
+            _slot(self._hosts, host_of(session_id), self.settings.sends_per_host),
+        ):
+            yield
+
+
+def host_of(session_id: str) -> str:
+    """The host part of a ``host:port`` session id (the whole id if it names no port)."""
+    host, colon, port = session_id.rpartition(":")
+    return host if colon and port.isdigit() else session_id
+
+
+def _in_use(limiter: trio.CapacityLimiter | None) -> int:
+    if limiter is None:
+        return 0
+    stats = limiter.statistics()
+    return stats.borrowed_tokens + stats.tasks_waiting
+
+
+@asynccontextmanager
+async def _slot(
+    limiters: dict[str, trio.CapacityLimiter], key: str, capacity: int
+) -> AsyncIterator[None]:
+    """Hold one token of ``key``'s limiter (made on first use, dropped when unused)."""
+    limiter = limiters.get(key)
+    if limiter is None:
+        limiter = limiters[key] = trio.CapacityLimiter(capacity)
+    token = object()
+    try:
+        await _acquire(limiter, token)
         try:
-            await _acquire(limiter, token)
-            try:
-                yield
-            finally:
-                limiter.release_on_behalf_of(token)
+            yield
         finally:
-            stats = limiter.statistics()
-            if stats.borrowed_tokens == 0 and stats.tasks_waiting == 0:
-                self._sessions.pop(session_id, None)
+            limiter.release_on_behalf_of(token)
+    finally:
+        if _in_use(limiter) == 0:
+            limiters.pop(key, None)
