@@ -244,7 +244,7 @@ MUTANTS: dict[str, Mutant] = {
         "            self._released.popitem(last=True)",
         ("tests/test_scope_holds.py::test_the_tombstone_limit_forgets_the_oldest_ended_request",),
     ),
-    "a failover sends into the slot the first encoder may still write": Mutant(
+    "a failover sends into the slot the first encoder may still write (failure 21)": Mutant(
         "client/fleet.py",
         "                        slot.quarantine()\n                        slot = None\n",
         "",
@@ -253,7 +253,7 @@ MUTANTS: dict[str, Mutant] = {
             "test_a_failover_lands_in_a_fresh_slot_while_the_first_encoder_still_writes",
         ),
     ),
-    "a store put reads a segment it does not hold": Mutant(
+    "a store put reads a segment it does not hold (failure 20)": Mutant(
         "encoder/batcher.py",
         "            segment.arena.lease(segment)\n            done = partial(",
         "            done = None and partial(",
