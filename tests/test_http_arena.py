@@ -16,9 +16,10 @@ import trio
 
 from support.engines import TP, RankEngines
 from support.harness import landing_pools, serving
-from test_http_real_encoder import SMALL, direct, png_uri
+from test_http_real_encoder import SMALL, direct
 from trio_encode.client import EncodeClient, LandingPool, LandingSlot, metric_value
 from trio_encode.encoder import ImageEncoder
+from trio_encode.testing.images import noise_uri
 
 ROW = 16 * 256 * 4
 """Bytes of one image's embedding with the small model (16 tokens of 256 floats)."""
@@ -52,8 +53,8 @@ async def test_tp4_over_the_arena_registers_once_for_all_requests(
     """Six requests of two images (one image shared by every request: a cache hit after the
     first), four ranks each: one registration in all, and every rank gets the right bytes."""
     encoder = ImageEncoder.from_settings(replace(SMALL, arena_bytes=4 << 20))
-    shared = png_uri(900)
-    requests = {f"arena-{i}": [png_uri(300 + i), shared] for i in range(6)}
+    shared = noise_uri(900)
+    requests = {f"arena-{i}": [noise_uri(300 + i), shared] for i in range(6)}
     async with (
         serving(rank_engines.server, encoder=encoder) as harness,
         landing_pools(rank_engines, len(requests) * 2 * ROW + 4096) as pools,
@@ -80,7 +81,7 @@ async def test_a_full_arena_falls_back_to_per_request_registration(
     """An arena with room for one image: two-image requests do not fit, so each registers its
     own embedding (counted as a fallback) and is served all the same, byte for byte."""
     encoder = ImageEncoder.from_settings(replace(SMALL, arena_bytes=ROW, cache_bytes=0))
-    requests = {f"full-{i}": [png_uri(500 + 2 * i), png_uri(501 + 2 * i)] for i in range(3)}
+    requests = {f"full-{i}": [noise_uri(500 + 2 * i), noise_uri(501 + 2 * i)] for i in range(3)}
     async with (
         serving(rank_engines.server, encoder=encoder) as harness,
         landing_pools(rank_engines, len(requests) * 2 * ROW + 4096) as pools,
