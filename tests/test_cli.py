@@ -3,6 +3,7 @@ stopped by SIGTERM, and the demo."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -20,6 +22,7 @@ from pydantic import ValidationError
 
 from trio_encode.cli import cli
 from trio_encode.encoder import EncoderSettings
+from trio_encode.server.serve import startup_facts
 from trio_encode.settings import ServerSettings, serve_flags
 from trio_encode.testing.faults import FaultPlan, FaultyEngine
 from trio_encode.tools.fleet_demo import FleetDemoConfig
@@ -332,6 +335,63 @@ def test_serve_on_port_0_logs_its_port_quiets_mooncake_and_stops_cleanly_on_sigt
     assert "received SIGTERM" in output
     assert "0 cut short" in output
     assert not re.search(r"^[IW]\d{4} ", output, re.MULTILINE), "Mooncake's INFO lines show"
+
+
+TINY_FLAGS = ("--depth", "1", "--width", "64", "--heads", "2", "--image-size", "64")
+TINY_FLAGS += ("--patch-size", "8", "--torch-threads", "1", "--shutdown-grace", "0")
+
+
+def test_with_json_logs_every_line_on_stderr_is_json_mooncake_s_included() -> None:
+    """Mooncake's own glog lines (let through at INFO here), Python's warnings, the start-up
+    line with the settings in effect and the final "stopped" line: all JSON."""
+    process = _serve(
+        *("--port", "0", "--log-format", "json", "--engine-log-level", "INFO", *TINY_FLAGS),
+        PYTHONWARNINGS="always",
+    )
+    try:
+        assert process.stderr is not None
+        lines: list[str] = []
+        for line in process.stderr:
+            lines.append(line)
+            if "serving on" in line:
+                break
+        url = json.loads(lines[-1])["msg"].split()[2]
+        drain = threading.Thread(target=lambda: lines.extend(process.stderr or []), daemon=True)
+        drain.start()
+        for _ in range(600):
+            if httpx.get(url + "/readyz", timeout=10).status_code == 200:
+                break
+            time.sleep(0.05)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+        drain.join(timeout=5)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    records = [json.loads(line) for line in lines if line.strip()]  # each line parses
+    loggers = {record["logger"] for record in records}
+    assert "mooncake" in loggers, loggers
+    (start,) = [r for r in records if r["msg"] == "starting"]
+    assert start["protocol"] == "tcp"
+    assert start["auth"] == "off"
+    assert start["config"] == "none"
+    assert start["model"].startswith("built-in ViT 64px")
+    assert (start["dtype"], start["device"]) == ("float32", "cpu")
+    assert start["bind"] == url.removeprefix("http://")
+    assert start["arena"].endswith("iB")
+    assert any(r["msg"].startswith("stopped: 0 requests") for r in records)
+
+
+def test_the_start_up_line_names_the_config_file_and_auth(tmp_path: Path) -> None:
+    config = tmp_path / "trio-encode.toml"
+    config.write_text('api_key = "s3cret"\nengine_protocol = "rdma"\n')
+    settings = ServerSettings(config=config)
+    facts = startup_facts(settings, bind="127.0.0.1:9")
+    assert (facts["config"], facts["auth"], facts["protocol"]) == (str(config), "on", "rdma")
+    assert facts["rdma_device"] == "any"
+    assert "s3cret" not in str(facts)
+    assert startup_facts(ServerSettings.exactly(arena_bytes=0), bind="x")["arena"] == "off"
 
 
 def test_demo_moves_and_checks_every_byte() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import warnings
 from collections.abc import Iterator
 
 import pytest
@@ -62,3 +63,18 @@ def test_timestamps_are_iso_8601_in_utc_in_both_formats(log_format: LogFormat) -
     line = stream.getvalue().strip()
     stamp = json.loads(line)["ts"] if log_format == "json" else line.split()[0].removeprefix("ts=")
     assert stamp == "2026-11-30T00:53:20.250Z"
+
+
+@pytest.mark.usefixtures("restore_root_logger")
+def test_python_warnings_are_log_lines_too() -> None:
+    logging.captureWarnings(False)  # pytest put its own hook back after an earlier test's
+    stream = io.StringIO()
+    setup_logging("INFO", "json", stream)
+    try:  # what the warnings module calls to show one (pytest records them otherwise)
+        warnings.showwarning(UserWarning("a library grumbles"), UserWarning, "lib.py", 1)
+    finally:
+        logging.captureWarnings(False)
+    (line,) = stream.getvalue().splitlines()
+    record = json.loads(line)
+    assert (record["logger"], record["level"]) == ("py.warnings", "WARNING")
+    assert "a library grumbles" in record["msg"]

@@ -22,7 +22,7 @@ import trio
 
 from trio_encode import __version__
 from trio_encode.engine import EngineError
-from trio_encode.logs import setup_logging
+from trio_encode.logs import capture_native_stderr, setup_logging
 from trio_encode.options import (
     MODEL_GROUPS,
     SERVE_GROUPS,
@@ -57,6 +57,8 @@ def serve(**options: Any) -> None:
     drill: DrillSettings = build(DrillSettings, own)
     settings = load_settings(given(options, set(options) - set(own)))
     setup_logging(settings.log_level, settings.log_format)
+    if settings.log_format == "json":
+        capture_native_stderr()  # Mooncake's glog lines and this command's own lines too
     from trio_encode.server.serve import run_server
 
     report = _run(partial(run_server, wrap_engine=drill.wrap), settings)

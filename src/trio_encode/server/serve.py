@@ -33,6 +33,7 @@ from trio_encode.server.loading import LoadingEncoder
 from trio_encode.server.metrics import Metrics
 from trio_encode.service import Encoder, EncodeService, ShutdownReport
 from trio_encode.settings import ServerSettings
+from trio_encode.sizes import format_size
 
 log = logging.getLogger(__name__)
 
@@ -210,11 +211,39 @@ async def run_server(
     fault injector)."""
     # The port first: one in use stops the start before the engine and the arena exist.
     sockets = listen(settings)
+    bound = sockets.insecure_sockets[0].getsockname()
+    log.info("starting", extra=startup_facts(settings, bind=_bind(*bound[:2])))
     try:
         return await _run_listening(settings, sockets, wrap_engine)
     finally:
         for sock in sockets.insecure_sockets:
             sock.close()  # idempotent: hypercorn closes those it served on
+
+
+def startup_facts(settings: ServerSettings, *, bind: str) -> dict[str, str]:
+    """The settings an operator checks first, for the start-up line: which config file, model,
+    device, dtype, protocol, arena, auth and address are in effect."""
+    encoder = settings.encoder
+    if encoder.hf_model_dir is not None:
+        model = f"hf:{encoder.hf_model_dir}"
+    else:
+        model = f"built-in ViT {encoder.image_size}px w{encoder.width} d{encoder.depth}"
+        model += f" ({encoder.weights})" if encoder.weights else " (seeded weights)"
+    import torch
+
+    facts = {
+        "config": str(settings.config) if settings.config else "none",
+        "model": model,
+        "device": str(torch.get_default_device()),
+        "dtype": encoder.dtype,
+        "protocol": settings.engine.protocol,
+        "arena": format_size(encoder.arena_bytes) if encoder.arena_bytes else "off",
+        "auth": "on" if settings.token else "off",
+        "bind": bind,
+    }
+    if settings.engine.protocol == "rdma":
+        facts["rdma_device"] = settings.engine.device or "any"
+    return facts
 
 
 async def _run_listening(
