@@ -4,7 +4,10 @@
   alone (one image, no server, no batching), so every landed byte can be checked;
 - :class:`Rank`: a receiver process carved into fixed slots. A slot whose send answered 200 is
   checked and filled with a marker, and before it is handed out again it must still hold that
-  marker: a write that lands after its 200 (a transfer the server let outlive its answer) shows;
+  marker: a write that lands after its 200 (a transfer the server let outlive its answer) shows.
+  A slot whose send failed rests longer (bytes of that request may still land), then is filled
+  with the marker too; whoever uses it next checks first that it still holds only the marker
+  (:meth:`Rank.clean`): a byte that lands later belongs to no request of that slot's;
 - :class:`Call` and :func:`post`: one HTTP answer, with the facts the checks need.
 """
 
@@ -121,6 +124,8 @@ class Slot:
     nbytes: int
     dirty: bool = False
     """Its last send did not answer 200: bytes may still land, so it is not checked."""
+    filled: bool = False
+    """Filled with the marker when its last request ended (a slot never used is not)."""
 
     @property
     def address(self) -> int:
@@ -186,6 +191,11 @@ class Rank:
         self._checked[slot.offset] = req_id
         return all(results)
 
+    async def clean(self, slot: Slot) -> bool:
+        """Whether a slot about to be used holds only the marker its last request's end left:
+        any other byte came from a request that is not its own."""
+        return not slot.filled or await self.receiver.untouched(slot.offset, slot.nbytes)
+
     async def _rest(self, slot: Slot) -> None:
         # Cancelled (the drill is over), a resting slot is simply not handed out again.
         await trio.sleep(self.dirty_seconds if slot.dirty else self.quiet_seconds)
@@ -200,6 +210,7 @@ class Rank:
                 self._returned.set()  # wake whoever waits for a slot: there will be none
                 return
             slot.dirty = False
+            slot.filled = True
             self._free.append(slot)
             self._returned.set()
             self._returned = trio.Event()

@@ -10,11 +10,16 @@ warm-up, the faults come:
   never sends after its ``/encode``, a ``/send`` abandoned after a few ms (then retried);
 - a frozen rank: one receiver SIGSTOPped for ``freeze_seconds`` (its transfers hang in the
   server until the engine's timeout), while a probe times unrelated requests;
+- a rank frozen past the deadline: another receiver SIGSTOPped mid-transfer until its requests'
+  deadlines have passed (``send_timeout`` + 2 s), then resumed: what Mooncake still had in
+  flight for it lands then, and must be its own requests' bytes;
 - a dead rank: one receiver SIGKILLed, and a new one started in its place.
 
 Then it checks, from ``/metrics`` and every receiver: every answer is one the contract allows
 (a 200 whose bytes are the model's, byte for byte, and never written again after its answer;
-or a documented error in the contract's shape), no call outlived its request's deadline, no
+or a documented error in the contract's shape), no slot ever holds a byte that its own request
+did not send (a slot handed to a request must still hold the marker it was filled with when its
+last request ended), no call outlived its request's deadline, no
 scope and no registration is left once the deadlines have passed, the server's RSS stayed
 within ``rss_tolerance`` of its level after the warm-up, and the probe's median latency while
 a rank was frozen stayed within ``probe_tolerance`` of its median just before.
@@ -112,6 +117,12 @@ class SoakConfig:
         8.0, group="soak", ge=0, help="How long one rank is SIGSTOPped (0: never)."
     )
     kill: bool = setting(True, group="soak", help="SIGKILL one rank.")
+    freeze_past_deadline: bool = setting(
+        True,
+        group="soak",
+        help="SIGSTOP another rank mid-transfer until its requests' deadlines passed, then "
+        "resume it.",
+    )
     two_image_share: float = Field(default=0.1, ge=0, le=1)
     """Share of requests with two images rather than one."""
     transfer_timeout: int = 2
@@ -161,6 +172,8 @@ class Counts:
     vanished_after_encode: int = 0
     vanished_mid_send: int = 0
     receivers_gone: int = 0
+    foreign_slots: int = 0
+    """Slots found holding bytes no request of theirs sent (must stay 0)."""
     """Rank flows cut short because their receiver had been killed."""
 
 
@@ -192,6 +205,8 @@ class SoakResult:
     probe_samples: list[tuple[float, float]]
     """(seconds since start, latency) of every probe; the freeze is ``freeze_window``."""
     freeze_window: tuple[float, float] | None
+    late_freeze_window: tuple[float, float] | None
+    """When a rank was frozen past its requests' deadline (seconds since start)."""
     slowest_call: float
     violations: list[str]
 
@@ -235,6 +250,14 @@ class SoakResult:
             f"{c.vanished_mid_body}, after /encode {c.vanished_after_encode}, mid-/send "
             f"{c.vanished_mid_send}; backstop expiries {self.backstop_expiries:.0f}",
             f"deadline: slowest call {self.slowest_call:.2f} s",
+            f"foreign bytes: {c.foreign_slots} slots held a byte their own request did not "
+            "send"
+            + (
+                ""
+                if self.late_freeze_window is None
+                else f" (a rank was frozen past its deadline for "
+                f"{self.late_freeze_window[1] - self.late_freeze_window[0]:.1f} s)"
+            ),
             f"left after drain: {self.left_scopes:.0f} scopes, "
             f"{self.left_registrations:.0f} registrations",
             f"server RSS (10-s medians): {self.rss_after_warmup / mib:.0f} MiB after warm-up, "
@@ -304,6 +327,9 @@ class _Soak:
         self.started = time.monotonic()
         self.warm_at: float | None = None
         self.freeze_window: tuple[float, float] | None = None
+        self.late_freeze_window: tuple[float, float] | None = None
+        self.late_thawed = trio.Event()
+        """Set once no rank is frozen past the deadline (the probe's freeze waits for it)."""
         self.killed_at: float | None = None
         self.finished: list[float] = []
         """When each request's calls (but a frozen rank's) were done."""
@@ -403,6 +429,9 @@ class _Soak:
             self.counts.vanished_after_encode += 1
             return
         async with rank.slot(nursery) as slot:
+            if not await rank.clean(slot):
+                self.counts.foreign_slots += 1
+                self.violations.append(f"{req_id} {name}: its slot held foreign bytes")
             send_body = {
                 "req_id": req_id,
                 "session_id": rank.session_id,
@@ -474,6 +503,9 @@ class _Soak:
             self._record(encode)
             if encode.status == 200:
                 async with rank.slot(nursery) as slot:
+                    if not await rank.clean(slot):
+                        self.counts.foreign_slots += 1
+                        self.violations.append(f"{req_id}: its slot held foreign bytes")
                     body = {
                         "req_id": req_id,
                         "session_id": rank.session_id,
@@ -499,7 +531,21 @@ class _Soak:
             )
             await trio.sleep(0.5)
 
+    async def freeze_past_deadline(self, r: int) -> None:
+        """Freeze a rank while its sends are in flight, until its requests' deadlines have
+        passed; then resume it (a transfer Mooncake still runs for it lands now)."""
+        try:
+            rank = self.ranks[r]
+            start = time.monotonic()
+            rank.receiver.freeze()
+            await trio.sleep(self.config.send_timeout + 2.0)
+            rank.receiver.thaw()
+            self.late_freeze_window = (start, time.monotonic())
+        finally:
+            self.late_thawed.set()
+
     async def freeze(self, r: int) -> None:
+        await self.late_thawed.wait()  # one frozen rank at a time: the probe compares
         rank = self.ranks[r]
         start = time.monotonic()
         # While it is frozen, requests start no faster than they finished just before, so the
@@ -557,7 +603,10 @@ async def _drive(
 ) -> None:
     config = soak.config
     warmup = config.warmup_requests
+    late_freeze_at = warmup + (config.requests - warmup) // 10
     freeze_at = warmup + (config.requests - warmup) * 2 // 5
+    if not (config.freeze_past_deadline and config.tp > 2):
+        soak.late_thawed.set()
     kill_at = warmup + (config.requests - warmup) * 7 // 10
     limiter = trio.Semaphore(config.concurrency)
     async with trio.open_nursery() as requests:
@@ -570,6 +619,8 @@ async def _drive(
                 next_start = max(next_start, trio.current_time()) + soak.pace
             if index == warmup:
                 soak.warm_at = time.monotonic()
+            if index == late_freeze_at and not soak.late_thawed.is_set():
+                requests.start_soon(soak.freeze_past_deadline, 2)
             if index == freeze_at and config.freeze_seconds > 0:
                 requests.start_soon(soak.freeze, 1 % config.tp)
             if index == kill_at and config.kill:
@@ -649,8 +700,9 @@ def _result(soak: _Soak, drained: tuple[float, float, str]) -> SoakResult:
     # passed, the server holds more live embeddings by design: reported, not bounded. (A
     # window's median is kept out when the window starts in that span or overlaps its start.)
     held = []
-    if soak.freeze_window is not None:
-        held.append((soak.freeze_window[0], soak.freeze_window[1]))
+    for window in (soak.freeze_window, soak.late_freeze_window):
+        if window is not None:
+            held.append(window)
     if soak.killed_at is not None:
         held.append((soak.killed_at, soak.killed_at))
     spans = [
@@ -718,14 +770,15 @@ def _result(soak: _Soak, drained: tuple[float, float, str]) -> SoakResult:
         probe_frozen_median=frozen,
         probe_frozen_count=frozen_count,
         probe_samples=[(t - soak.started, latency) for t, latency in soak.probe_samples],
-        freeze_window=(
-            None
-            if soak.freeze_window is None
-            else (soak.freeze_window[0] - soak.started, soak.freeze_window[1] - soak.started)
-        ),
+        freeze_window=_since(soak.freeze_window, soak.started),
+        late_freeze_window=_since(soak.late_freeze_window, soak.started),
         slowest_call=max((c.seconds for c in soak.calls), default=0.0),
         violations=violations,
     )
+
+
+def _since(window: tuple[float, float] | None, started: float) -> tuple[float, float] | None:
+    return None if window is None else (window[0] - started, window[1] - started)
 
 
 def _config_json(config: SoakConfig) -> dict[str, Any]:
