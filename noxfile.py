@@ -92,7 +92,7 @@ def bench(session: nox.Session) -> None:
     # is the configuration where the serving path's share of the machine shows.
     spare = str(max(1, (os.cpu_count() or 2) - 1))
     session.run("trio-encode", "bench", "--torch-threads", spare, *session.posargs)
-    session.run("trio-encode", "bench", "--model", "rdma")
+    session.run("trio-encode", "bench", "--cost-model", "rdma")
 
 
 @nox.session(python=PYTHON)

@@ -104,7 +104,9 @@ def test_bench_command_prints_json() -> None:
 
 
 def test_the_modelled_run_is_labelled_a_model() -> None:
-    result = CliRunner().invoke(cli, ["bench", "--model", "rdma", "--sizes", "1MB", "--tps", "1"])
+    result = CliRunner().invoke(
+        cli, ["bench", "--cost-model", "rdma", "--sizes", "1MB", "--tps", "1"]
+    )
     assert result.exit_code == 0, result.output
     assert result.stdout.startswith("MODEL, not a measurement")
 

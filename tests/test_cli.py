@@ -146,7 +146,7 @@ def test_encoder_flags_beat_variables_which_beat_the_defaults(
     assert encoder.torch_threads == 3
     assert encoder.image_size == EncoderSettings().image_size  # default
     assert encoder.queue_size == EncoderSettings().queue_size
-    assert encoder.hf_model_dir is None
+    assert encoder.model is None
 
 
 def test_sglang_settings_from_flags_and_variables(captured: list[ServerSettings]) -> None:

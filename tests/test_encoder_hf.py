@@ -17,6 +17,7 @@ import transformers
 import trio
 from PIL import Image
 
+from support.models import fixed
 from trio_encode.encoder import EncoderSettings, ImageEncoder, load_backend
 from trio_encode.testing.images import noise_png
 
@@ -43,7 +44,7 @@ def tiny_tower(kind: str, directory: Path) -> Any:
 @pytest.mark.parametrize(("kind", "tokens"), [("clip", 16), ("siglip", 16)])
 def test_tiny_tower_loads_and_matches_transformers(kind: str, tokens: int, tmp_path: Path) -> None:
     reference = tiny_tower(kind, tmp_path)
-    backend = load_backend(EncoderSettings(hf_model_dir=tmp_path))
+    backend = fixed(load_backend(EncoderSettings(model=tmp_path)))
     assert (backend.tokens_per_image, backend.hidden_size) == (tokens, 32)
     assert backend.preprocess.image_size == 32
     pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
@@ -94,7 +95,7 @@ async def test_embeddings_match_transformers_own_pipeline(kind: str, tmp_path: P
     processor = save_processor(kind, tmp_path)
     images = [noise_png(1, 70, 50), noise_png(2, 33, 90)]  # resizing, cropping, resampling
 
-    ours = await _encode(EncoderSettings(hf_model_dir=tmp_path, max_batch_wait=0.0), images)
+    ours = await _encode(EncoderSettings(model=tmp_path, max_batch_wait=0.0), images)
 
     pixels = processor(images=[Image.open(io.BytesIO(i)) for i in images], return_tensors="pt")
     with torch.no_grad():
@@ -109,7 +110,7 @@ def test_a_model_saved_without_its_processor_gets_the_defaults_at_its_size(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     tiny_tower("clip", tmp_path)
-    backend = load_backend(EncoderSettings(hf_model_dir=tmp_path))
+    backend = fixed(load_backend(EncoderSettings(model=tmp_path)))
     assert "has no preprocessor_config.json" in caplog.text
     prepare = backend.preprocess.prepare
     assert prepare is not None
@@ -127,13 +128,13 @@ def test_a_processor_whose_output_the_model_cannot_take_is_refused(tmp_path: Pat
         size={"shortest_edge": 64}, crop_size={"height": 64, "width": 64}
     ).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=r"makes \(3, 64, 64\) pixels; the model takes"):
-        load_backend(EncoderSettings(hf_model_dir=tmp_path))
+        load_backend(EncoderSettings(model=tmp_path))
 
 
 def test_feature_layer_and_dtype(tmp_path: Path) -> None:
     reference = tiny_tower("clip", tmp_path)
-    settings = EncoderSettings(hf_model_dir=tmp_path, hf_feature_layer=-2, dtype="bfloat16")
-    backend = load_backend(settings)
+    settings = EncoderSettings(model=tmp_path, feature_layer=-2, dtype="bfloat16")
+    backend = fixed(load_backend(settings))
     pixels = torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(2))
     out = backend.forward(pixels)
     assert out.dtype == torch.bfloat16
@@ -144,13 +145,16 @@ def test_feature_layer_and_dtype(tmp_path: Path) -> None:
 
 def test_unsupported_model_type_is_refused(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
-    with pytest.raises(ValueError, match="holds a bert model; supported: clip"):
-        load_backend(EncoderSettings(hf_model_dir=tmp_path))
+    with pytest.raises(
+        ValueError,
+        match="holds a bert model; supported model types: clip, clip_vision_model, gemma3, internvl, llava, qwen2_5_vl",
+    ):
+        load_backend(EncoderSettings(model=tmp_path))
 
 
 async def test_image_encoder_serves_an_hf_tower(tmp_path: Path) -> None:
     tiny_tower("clip", tmp_path)
-    encoder = ImageEncoder.from_settings(EncoderSettings(hf_model_dir=tmp_path, max_batch_wait=0.0))
+    encoder = ImageEncoder.from_settings(EncoderSettings(model=tmp_path, max_batch_wait=0.0))
     async with trio.open_nursery() as nursery:
         await nursery.start(encoder.run)
         embedding = await encoder.encode([noise_png(1), noise_png(2)])
@@ -165,4 +169,4 @@ def test_missing_transformers_says_how_to_install(
     tiny_tower("clip", tmp_path)
     monkeypatch.setitem(sys.modules, "transformers", None)
     with pytest.raises(ImportError, match=r"pip install 'trio-encode\[hf\]'"):
-        load_backend(EncoderSettings(hf_model_dir=tmp_path))
+        load_backend(EncoderSettings(model=tmp_path))

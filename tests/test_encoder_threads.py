@@ -7,6 +7,7 @@ from dataclasses import replace
 import torch
 import trio
 
+from support.models import fixed
 from trio_encode.embedding import Embedding
 from trio_encode.encoder import EncoderSettings, ImageEncoder, Preprocess, load_backend
 from trio_encode.testing.images import noise_png
@@ -28,7 +29,7 @@ class Counting:
     """Wraps a backend and records each forward's batch size."""
 
     def __init__(self, settings: EncoderSettings) -> None:
-        self.inner = load_backend(settings)
+        self.inner = fixed(load_backend(settings))
         self.model_id: str = self.inner.model_id
         self.preprocess: Preprocess = self.inner.preprocess
         self.tokens_per_image: int = self.inner.tokens_per_image

@@ -22,6 +22,7 @@ import torch
 import trio
 import trio.testing
 
+from support.models import fixed
 from trio_encode.encoder import EncoderSettings, ImageEncoder, decode_image, load_backend
 from trio_encode.errors import EncodeFailed, RequestReleased, ScopeExpired
 from trio_encode.request_types import Receiver
@@ -100,7 +101,7 @@ async def real_encoder(
     *, cache_bytes: int = 0, send_timeout: float = 180.0
 ) -> AsyncIterator[Harness]:
     settings = EncoderSettings(**{**TINY.__dict__, "cache_bytes": cache_bytes})
-    backend = load_backend(settings)
+    backend = fixed(load_backend(settings))
     gate = ForwardGate()
     forwards: list[int] = []
 

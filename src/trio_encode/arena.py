@@ -44,6 +44,8 @@ class Segment:
     leases: int = 1
     key: Hashable | None = None
     """The cache key it is kept under, once the arena keeps it."""
+    tag: object = None
+    """What its writer keeps with the bytes (the encoder: the image's grid); never read here."""
     freed: bool = field(default=False)
 
     @property

@@ -98,7 +98,7 @@ def demo(**options: Any) -> None:
 @cli.command(cls=GroupedCommand)
 @model_options(BenchConfig)
 @click.option(
-    "--model",
+    "--cost-model",
     "cost_model",
     type=click.Choice(sorted(MODELS)),
     default=None,
@@ -116,7 +116,7 @@ def bench(cost_model: str | None, as_json: bool, **options: Any) -> None:
     per embedding size and TP, ranks and clients in a separate process. Encoder: the model's
     forward at B = --max-batch-size vs /encode over HTTP with distinct images. A probe polls
     /health meanwhile. The defaults take several minutes on 2 cores; run it on an idle machine.
-    With --model, nothing is measured: a cost model runs in virtual time instead.
+    With --cost-model, nothing is measured: a cost model runs in virtual time instead.
     """
     setup_logging("WARNING")
     own = given(options, model_fields(BenchConfig))

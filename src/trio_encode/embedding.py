@@ -37,6 +37,8 @@ class Embedding:
     tensor: torch.Tensor
     grids: tuple[Grid | None, ...] = field(default=())
     """Per image, the grid its model used (None for a fixed-grid model); empty: not reported."""
+    lens: tuple[int, ...] | None = None
+    """Rows of each image, in order (None: not reported, one image of every row)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "grids", check_grids(self.grids))
@@ -48,6 +50,13 @@ class Embedding:
             raise ValueError("an embedding must be in CPU memory")
         if self.tensor.dtype not in DTYPE_NAMES:
             raise ValueError(f"unsupported embedding dtype {self.tensor.dtype}")
+        if self.lens is not None and sum(self.lens) != self.tensor.shape[0]:
+            raise ValueError(f"image lengths {self.lens} do not add up to {self.rows} rows")
+
+    @property
+    def image_lens(self) -> tuple[int, ...]:
+        """Rows of each image, in order."""
+        return self.lens if self.lens is not None else (self.rows,)
 
     @property
     def address(self) -> int:
@@ -81,7 +90,9 @@ class Embedding:
 
     def copy(self) -> Embedding:
         """A private copy in fresh memory (used when the original's memory cannot be shared)."""
-        return Embedding(self.tensor.clone(memory_format=torch.contiguous_format), self.grids)
+        return Embedding(
+            self.tensor.clone(memory_format=torch.contiguous_format), self.grids, self.lens
+        )
 
     def release(self) -> None:
         """Nothing to give back: dropping the last reference frees the tensor."""
@@ -108,6 +119,11 @@ class ArenaEmbedding:
         self.grids = check_grids(grids)
         """Per image, the grid its model used (None for a fixed-grid model)."""
         self._released = False
+
+    @property
+    def image_lens(self) -> tuple[int, ...]:
+        """Rows of each image (segment), in order."""
+        return tuple(int(view.shape[0]) for view in self.views)
 
     @property
     def address(self) -> int:
@@ -150,7 +166,7 @@ class ArenaEmbedding:
 
     def copy(self) -> Embedding:
         """The same bytes in one fresh tensor, outside the arena."""
-        return Embedding(self.tensor, self.grids)
+        return Embedding(self.tensor, self.grids, self.image_lens)
 
     def release(self) -> None:
         """Give the segments' leases back to the arena, once."""

@@ -72,6 +72,12 @@ class EmbeddingMemory(Protocol):
         ...
 
     @property
+    def image_lens(self) -> tuple[int, ...]:
+        """Rows of each image, in order (the image tokens its prompt holds); they add up to
+        ``rows``."""
+        ...
+
+    @property
     def grids(self) -> Sequence[Grid | None]:
         """Per image, in order, the grid its model used (None: a fixed grid); empty when
         the encoder reported none."""
@@ -109,6 +115,8 @@ class EmbeddingShape:
     that what landed is what was encoded."""
     grids: tuple[Grid | None, ...] = ()
     """Per image, the grid the model used (see :attr:`EmbeddingMemory.grids`)."""
+    image_lens: tuple[int, ...] = ()
+    """Rows of each image, in order (see :attr:`EmbeddingMemory.image_lens`)."""
 
 
 @dataclass(frozen=True)

@@ -312,6 +312,7 @@ class RequestScope:
                 embedding.dtype,
                 embedding.checksum,
                 tuple(embedding.grids),
+                tuple(embedding.image_lens),
             )
         except RequestError as exc:
             self._failure = Failure.of(exc)

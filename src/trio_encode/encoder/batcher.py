@@ -2,8 +2,10 @@
 
 The front (:mod:`trio_encode.encoder.front`) queues a :class:`Job` for each image no forward
 is computing yet; the long-lived :meth:`Batcher.run` task takes up to ``max_batch_size`` of
-them (waiting at most ``max_batch_wait`` for the oldest one's batch to fill), runs the model in
-a worker thread and delivers each job's row to every request waiting on it. The thread is never
+them, and at most ``max_batch_tokens`` image tokens (waiting at most ``max_batch_wait`` for the
+oldest one's batch to fill), runs the model in a worker thread and delivers each job's row to
+every request waiting on it. Images of different sizes share a forward; the model returns one
+tensor per image, so nothing is padded and nothing is split by guesswork. The thread is never
 abandoned: a cancelled caller waits for it, so no tensor is freed while the model writes it.
 
 A job stays in :attr:`Batcher.in_flight`, by its image's content key, from queueing until it
@@ -13,11 +15,14 @@ kept where later requests look: this encoder's cache or arena, and the cluster-w
 
 With a registered arena (:mod:`trio_encode.arena`) each image's row is written into a segment
 of it by the forward's worker thread (the one copy): the segment its request reserved, else one
-free when the batch runs; an image with neither is encoded into ordinary memory.
+free when the batch runs; an image with neither is encoded into ordinary memory. On a GPU the
+copy into the segment is asynchronous (the arena is pinned), and the forward's thread waits for
+it before any request sees the row, so no send can read a half-copied segment.
 """
 
 from __future__ import annotations
 
+import io
 import logging
 import time
 from collections import deque
@@ -28,15 +33,16 @@ from typing import Protocol, TypeVar
 
 import torch
 import trio
+from PIL import Image
 
 from trio_encode.arena import Arena, Segment
-from trio_encode.encoder.backend import VisionBackend
+from trio_encode.encoder.backend import Prepared, VisionModel
 from trio_encode.encoder.cache import CacheKey, EmbeddingCache
-from trio_encode.encoder.images import decode_image
 from trio_encode.encoder.observer import EncoderObserver
 from trio_encode.encoder.settings import EncoderSettings
 from trio_encode.encoder.store import EmbeddingStore, store_key
 from trio_encode.errors import EncodeFailed, InvalidInput, RequestError, ShuttingDown
+from trio_encode.request_types import Grid
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +63,11 @@ class ThreadRunner(Protocol):
 class Waiter(Protocol):
     """What a job delivers to: one request's rows, each at its index in the request."""
 
-    def deliver(self, index: int, row: torch.Tensor, segment: Segment | None) -> None:
-        """The row for image ``index``; ``segment`` (if any) is the arena's memory behind it."""
+    def deliver(
+        self, index: int, row: torch.Tensor, grid: Grid | None, segment: Segment | None
+    ) -> None:
+        """The row for image ``index`` and its grid; ``segment`` (if any) is the arena's memory
+        behind it."""
 
     def fail(self, error: RequestError) -> None:
         """The image will not be encoded: the request fails with ``error``."""
@@ -69,7 +78,7 @@ class Job:
     """One image waiting for (or in) a forward pass, shared by every request that needs it."""
 
     key: CacheKey
-    pixels: torch.Tensor
+    image: Prepared
     enqueued_at: float
     waiters: list[tuple[Waiter, int]] = field(default_factory=list)  # (request, its index)
     queued: bool = True
@@ -84,7 +93,7 @@ class Job:
 
     def deliver(self, row: torch.Tensor, segment: Segment | None) -> None:
         for request, index in self.waiters:
-            request.deliver(index, row, segment)
+            request.deliver(index, row, self.image.grid, segment)
 
     def fail(self, error: RequestError) -> None:
         for request, _ in self.waiters:
@@ -97,10 +106,9 @@ class Batcher:
 
     def __init__(
         self,
-        backend: VisionBackend,
+        backend: VisionModel,
         settings: EncoderSettings,
         *,
-        bytes_per_image: int,
         observer: EncoderObserver,
         cache: EmbeddingCache | None,
         arena: Arena | None,
@@ -111,7 +119,8 @@ class Batcher:
         self.backend = backend
         self.settings = settings
         self.observer = observer
-        self._bytes_per_image = bytes_per_image
+        self._row_bytes = backend.hidden_size * backend.dtype.itemsize
+        """Bytes of one token's embedding row."""
         self._cache = cache
         self._arena = arena
         self._store = store
@@ -153,29 +162,35 @@ class Batcher:
 
     # -- queueing ----------------------------------------------------------------------------
 
-    async def decode(self, items: Sequence[bytes], indices: list[int]) -> list[torch.Tensor]:
-        """The pixels of ``items[i]`` for each of ``indices``, decoded in a worker thread while
-        their places in the queue are held, so concurrent admissions count them."""
+    async def decode(self, items: Sequence[bytes], indices: list[int]) -> list[Prepared]:
+        """``items[i]`` prepared for the model, for each of ``indices``, decoded in a worker
+        thread while their places in the queue are held, so concurrent admissions count them."""
         self._reserved += len(indices)
         try:
             return await self.run_decode(partial(self._decode, items, indices))
         finally:
             self._reserved -= len(indices)
 
-    async def reserve_segments(self, count: int) -> list[Segment]:
-        """Up to ``count`` segments for a request's new images, waiting for room while the
-        arena is full, for at most :data:`ARENA_WAIT` and never past the caller's deadline
-        (the request scope's backstop). Fewer when time runs out: those images go to ordinary
-        memory and the request registers its own (a fallback)."""
-        if self._arena is None or self._bytes_per_image > self._arena.nbytes:
-            return []  # no arena, or one that can never hold an image: nothing to wait for
+    def row_bytes(self, tokens: int) -> int:
+        """Bytes of an image's embedding of ``tokens`` rows."""
+        return tokens * self._row_bytes
+
+    async def reserve_segments(self, tokens: Sequence[int]) -> list[Segment | None]:
+        """A segment for each of a request's new images (of ``tokens`` rows each), waiting for
+        room while the arena is full, for at most :data:`ARENA_WAIT` and never past the
+        caller's deadline (the request scope's backstop). None where time ran out, or for an
+        image bigger than the arena: those go to ordinary memory and the request registers its
+        own (a fallback)."""
+        if self._arena is None:
+            return [None] * len(tokens)
         deadline = min(trio.current_effective_deadline(), trio.current_time() + ARENA_WAIT)
-        room: list[Segment] = []
+        room: list[Segment | None] = []
         try:
-            for _ in range(count):
-                segment = await self._arena.allocate_by(self._bytes_per_image, deadline)
-                if segment is None:
-                    break
+            for count in tokens:
+                nbytes = self.row_bytes(count)
+                segment = None
+                if nbytes <= self._arena.nbytes and trio.current_time() < deadline:
+                    segment = await self._arena.allocate_by(nbytes, deadline)
                 room.append(segment)
         except BaseException:
             release_all(room)
@@ -183,10 +198,10 @@ class Batcher:
         return room
 
     def submit(
-        self, key: CacheKey, pixels: torch.Tensor, enqueued_at: float, segment: Segment | None
+        self, key: CacheKey, image: Prepared, enqueued_at: float, segment: Segment | None
     ) -> Job:
         """Queue a job for an image no job is computing (``segment``: its reserved room)."""
-        job = Job(key, pixels, enqueued_at)
+        job = Job(key, image, enqueued_at)
         job.segment = segment
         self._in_flight[job.key] = job
         self._queue.append(job)
@@ -207,27 +222,23 @@ class Batcher:
         """An image's ``(tokens, hidden)`` row as a view of its segment's bytes."""
         backend = self.backend
         flat = torch.frombuffer(segment.buffer, dtype=torch.uint8)
-        return flat.view(backend.dtype).view(backend.tokens_per_image, backend.hidden_size)
+        return flat.view(backend.dtype).view(-1, backend.hidden_size)
 
     def _forget(self, job: Job) -> None:
         """Drop the job from the in-flight map (unless a newer job for its image took its place)."""
         if self._in_flight.get(job.key) is job:
             del self._in_flight[job.key]
 
-    def _decode(self, items: Sequence[bytes], indices: list[int]) -> list[torch.Tensor]:
-        pixels = []
+    def _decode(self, items: Sequence[bytes], indices: list[int]) -> list[Prepared]:
+        prepared = []
         for index in indices:
             try:
-                pixels.append(
-                    decode_image(
-                        items[index],
-                        self.backend.preprocess,
-                        max_pixels=self.settings.max_image_pixels,
-                    )
+                prepared.append(
+                    self.backend.decode(items[index], max_pixels=self.settings.max_image_pixels)
                 )
             except InvalidInput as exc:
                 raise InvalidInput(f"mm_items[{index}]: {exc.message}") from None
-        return pixels
+        return prepared
 
     # -- the batching task -------------------------------------------------------------------
 
@@ -237,9 +248,8 @@ class Batcher:
         if self._running:
             raise RuntimeError("ImageEncoder.run is already running")
         if self.settings.warmup:
-            side = self.backend.preprocess.image_size
-            blank = [torch.zeros(3, side, side)]
-            await self._run_forward(partial(self._forward, blank))
+            blank = await self.run_decode(self._warmup_image)
+            await self._run_forward(partial(self._forward, [blank]))
         self._stopped = False
         self._running = True
         task_status.started()
@@ -257,21 +267,47 @@ class Batcher:
                 self._forget(job)
                 job.fail(ShuttingDown("the encoder stopped before this request ran"))
 
+    def _warmup_image(self) -> Prepared:
+        """A blank 224 px PNG, prepared as a request's image would be."""
+        png = io.BytesIO()
+        Image.new("RGB", (224, 224)).save(png, format="PNG")
+        return self.backend.decode(png.getvalue(), max_pixels=self.settings.max_image_pixels)
+
+    def _batch_full(self) -> bool:
+        """Whether the queue holds at least a whole batch (by images, or by tokens)."""
+        if len(self._queue) >= self.settings.max_batch_size:
+            return True
+        budget = self.settings.max_batch_tokens
+        return budget is not None and sum(job.image.tokens for job in self._queue) >= budget
+
+    def _take_batch(self) -> list[Job]:
+        """The oldest jobs, in order, up to the image count and the token budget (at least
+        one job, whatever its size)."""
+        budget = self.settings.max_batch_tokens
+        batch = [self._queue.popleft()]
+        tokens = batch[0].image.tokens
+        while self._queue and len(batch) < self.settings.max_batch_size:
+            more = self._queue[0].image.tokens
+            if budget is not None and tokens + more > budget:
+                break
+            batch.append(self._queue.popleft())
+            tokens += more
+        return batch
+
     async def _next_batch(self) -> list[Job]:
-        limit = self.settings.max_batch_size
         while True:
             while not self._queue:
                 await self._wait_for_change()
             # The oldest image's wait bounds the batch window, so images that queued while
             # the previous batch ran do not wait again.
             deadline = self._queue[0].enqueued_at + self.settings.max_batch_wait
-            while self._queue and len(self._queue) < limit and trio.current_time() < deadline:
+            while self._queue and not self._batch_full() and trio.current_time() < deadline:
                 with trio.move_on_at(deadline):
                     await self._wait_for_change()
             if not self._queue:
                 continue  # every queued caller was cancelled during the window
             now = trio.current_time()
-            batch = [self._queue.popleft() for _ in range(min(limit, len(self._queue)))]
+            batch = self._take_batch()
             for job in batch:
                 job.queued = False
                 self.observer.queue_waited(now - job.enqueued_at)
@@ -282,10 +318,10 @@ class Batcher:
         await self._changed.wait()
 
     async def _process(self, batch: list[Job]) -> None:
-        pixels = [job.pixels for job in batch]
+        images = [job.image for job in batch]
         targets = self._allocate_segments(batch)
         try:
-            rows, seconds = await self._run_forward(partial(self._forward, pixels, targets))
+            rows, seconds = await self._run_forward(partial(self._forward, images, targets))
         except Exception as exc:
             release_all(targets)
             self.observer.batch_finished(len(batch), 0.0, ok=False)
@@ -309,10 +345,11 @@ class Batcher:
         for job, row, segment in zip(batch, rows, targets, strict=True):
             self._forget(job)
             if self._cache is not None:
-                self._cache.put(job.key, row)
+                self._cache.put(job.key, row, job.image.grid)
             if self._store is not None:
                 self._offer(job.key, row, segment)
             if segment is not None:
+                segment.tag = job.image.grid
                 segment.arena.keep(segment, job.key)
             job.deliver(row, segment)
         release_all(targets)  # the forward's own leases; the waiters hold theirs
@@ -339,37 +376,47 @@ class Batcher:
         targets: list[Segment | None] = []
         for job in batch:
             segment, job.segment = job.segment, None
-            if segment is None and self._arena is not None:
-                segment = self._arena.allocate(self._bytes_per_image)
+            nbytes = self.row_bytes(job.image.tokens)
+            if segment is None and self._arena is not None and nbytes <= self._arena.nbytes:
+                segment = self._arena.allocate(nbytes)
             targets.append(segment)
         return targets
 
     def _forward(
-        self, pixels: list[torch.Tensor], targets: Sequence[Segment | None] = ()
+        self, images: list[Prepared], targets: Sequence[Segment | None] = ()
     ) -> tuple[list[torch.Tensor], float]:
-        """In the worker thread: one forward pass, split into one tensor per image; an image
-        with a target segment is copied into it (its row is then a view of the segment)."""
+        """In the worker thread: one forward pass, one tensor per image, in host memory; an
+        image with a target segment is copied into it (its row is then a view of the segment).
+        Every copy has completed when this returns."""
         start = time.perf_counter()
         backend = self.backend
         with torch.inference_mode():
-            out = backend.forward(torch.stack(pixels))
-            expected = (len(pixels), backend.tokens_per_image, backend.hidden_size)
-            if tuple(out.shape) != expected or out.dtype != backend.dtype:
-                raise RuntimeError(
-                    f"the model returned {tuple(out.shape)} {out.dtype}, "
-                    f"expected {expected} {backend.dtype}"
-                )
-            out = out.contiguous()
+            outs = backend.encode(images)
+            if len(outs) != len(images):
+                raise RuntimeError(f"the model returned {len(outs)} embeddings for {len(images)}")
+            for out, image in zip(outs, images, strict=True):
+                expected = (image.tokens, backend.hidden_size)
+                if tuple(out.shape) != expected or out.dtype != backend.dtype:
+                    raise RuntimeError(
+                        f"the model returned {tuple(out.shape)} {out.dtype} for an image, "
+                        f"expected {expected} {backend.dtype}"
+                    )
             # With a cache each image gets its own memory, so the cache's byte bound is exact
-            # and evicting an entry frees it; without one, rows are views into the batch.
+            # and evicting an entry frees it; without one, rows may be views into the batch.
             own = self._cache is not None or self._arena is not None
+            on_host = backend.device.type == "cpu"
             rows = []
-            for index, row in enumerate(out):
+            for index, out in enumerate(outs):
                 segment = targets[index] if targets else None
                 if segment is not None:
-                    rows.append(self.row_view(segment).copy_(row))
+                    # From a GPU: asynchronous into the pinned arena, waited for below.
+                    rows.append(self.row_view(segment).copy_(out, non_blocking=not on_host))
+                elif on_host:
+                    rows.append(out.clone() if own else out.contiguous())
                 else:
-                    rows.append(row.clone() if own else row)
+                    rows.append(out.to("cpu"))
+            if not on_host:
+                torch.cuda.synchronize(backend.device)
         return rows, time.perf_counter() - start
 
     async def _decode_in_thread(self, fn: Callable[[], T]) -> T:

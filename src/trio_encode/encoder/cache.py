@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from trio_encode.request_types import Grid
+
 
 @dataclass(frozen=True)
 class CacheKey:
@@ -37,6 +39,7 @@ class EmbeddingCache:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         self.max_bytes = max_bytes
         self._entries: OrderedDict[CacheKey, torch.Tensor] = OrderedDict()
+        self._grids: dict[CacheKey, Grid] = {}  # for the entries whose image has a grid
         # storage address -> [bytes of the storage, entries that keep it alive]
         self._storages: dict[int, list[int]] = {}
         self._bytes = 0
@@ -58,9 +61,14 @@ class EmbeddingCache:
             self._entries.move_to_end(key)
         return tensor
 
-    def put(self, key: CacheKey, tensor: torch.Tensor) -> None:
-        """Keep ``tensor`` (an existing entry for ``key`` wins), then evict least recently
-        used entries until the bound holds. A tensor bigger than the bound is not kept."""
+    def grid(self, key: CacheKey) -> Grid | None:
+        """The grid kept with ``key``'s entry (None: none, or no entry)."""
+        return self._grids.get(key)
+
+    def put(self, key: CacheKey, tensor: torch.Tensor, grid: Grid | None = None) -> None:
+        """Keep ``tensor`` and its image's ``grid`` (an existing entry for ``key`` wins), then
+        evict least recently used entries until the bound holds. A tensor bigger than the
+        bound is not kept."""
         if key in self._entries:
             self._entries.move_to_end(key)
             return
@@ -68,12 +76,15 @@ class EmbeddingCache:
         if storage.nbytes() > self.max_bytes:
             return
         self._entries[key] = tensor
+        if grid is not None:
+            self._grids[key] = grid
         self._retain(storage.data_ptr(), storage.nbytes())
         while self._bytes > self.max_bytes:
             self._evict_oldest()
 
     def clear(self) -> None:
         self._entries.clear()
+        self._grids.clear()
         self._storages.clear()
         self._bytes = 0
 
@@ -86,7 +97,8 @@ class EmbeddingCache:
             held[1] += 1
 
     def _evict_oldest(self) -> None:
-        _, tensor = self._entries.popitem(last=False)
+        key, tensor = self._entries.popitem(last=False)
+        self._grids.pop(key, None)
         address = tensor.untyped_storage().data_ptr()
         held = self._storages[address]
         held[1] -= 1

@@ -16,14 +16,16 @@ from collections.abc import Mapping
 import torch
 
 
-def weights_digest(module: torch.nn.Module) -> str:
-    """BLAKE2b of every parameter and buffer: name, dtype, shape and bytes, in name order.
+def weights_digest(weights: torch.nn.Module | Mapping[str, torch.Tensor]) -> str:
+    """BLAKE2b of every parameter and buffer (of a module, or named tensors): name, dtype,
+    shape and bytes, in name order.
 
     Reads every weight (tens of ms for the built-in model, about a second per GB): call it
     once, at load.
     """
     digest = hashlib.blake2b(digest_size=32)
-    for name, tensor in sorted(module.state_dict().items()):
+    state = weights.state_dict() if isinstance(weights, torch.nn.Module) else weights
+    for name, tensor in sorted(state.items()):
         data = tensor.detach().cpu().contiguous()
         digest.update(f"{name}|{data.dtype}|{tuple(data.shape)}|".encode())
         digest.update(data.reshape(-1).view(torch.uint8).numpy().data)

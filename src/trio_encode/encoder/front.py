@@ -30,7 +30,14 @@ import trio
 
 from trio_encode.arena import Arena, Segment
 from trio_encode.embedding import DTYPE_NAMES, TORCH_DTYPES, ArenaEmbedding, Embedding
-from trio_encode.encoder.backend import VisionBackend, load_backend
+from trio_encode.encoder.backend import (
+    FixedShape,
+    Prepared,
+    VisionBackend,
+    VisionModel,
+    as_model,
+    load_backend,
+)
 from trio_encode.encoder.batcher import Batcher, Job, ThreadRunner, release_all
 from trio_encode.encoder.cache import CacheKey, EmbeddingCache, content_key
 from trio_encode.encoder.fetch import FetchPolicy, RemoteFetcher, is_remote
@@ -47,14 +54,21 @@ class EncoderInfo:
     """What the service reports about the encoder (and /health shows)."""
 
     model_id: str
-    tokens_per_image: int
+    tokens_per_image: int | None
+    """Rows of every image's embedding; None for a model whose images vary (dynamic
+    resolution, tiles), whose answers give each image's count."""
     hidden_size: int
     dtype: str
-    image_size: int
+    image_size: int | None
+    """The square side a fixed-grid model resizes to (None: the model's processor decides)."""
     max_batch_size: int
+    device: str = "cpu"
 
     @property
-    def bytes_per_image(self) -> int:
+    def bytes_per_image(self) -> int | None:
+        """Bytes of every image's embedding (None when images vary)."""
+        if self.tokens_per_image is None:
+            return None
         return self.tokens_per_image * self.hidden_size * TORCH_DTYPES[self.dtype].itemsize
 
 
@@ -63,6 +77,7 @@ class _Request:
     """One encode() call's images that missed the cache, and where their rows go."""
 
     results: list[torch.Tensor | None]
+    grids: list[Grid | None]
     remaining: int
     segments: list[Segment | None]
     """The arena segment behind each result, leased by this request (None: not in the arena)."""
@@ -70,12 +85,15 @@ class _Request:
     error: RequestError | None = None
     jobs: set[Job] = field(default_factory=set)  # what it waits on, to withdraw from
 
-    def deliver(self, index: int, row: torch.Tensor, segment: Segment | None) -> None:
+    def deliver(
+        self, index: int, row: torch.Tensor, grid: Grid | None, segment: Segment | None
+    ) -> None:
         if not self.done.is_set():
             if segment is not None:
                 segment.arena.lease(segment)
                 self.segments[index] = segment
             self.results[index] = row
+            self.grids[index] = grid
             self.remaining -= 1
             if self.remaining == 0:
                 self.done.set()
@@ -99,7 +117,7 @@ class ImageEncoder:
 
     def __init__(
         self,
-        backend: VisionBackend,
+        backend: VisionModel | VisionBackend,
         settings: EncoderSettings | None = None,
         *,
         observer: EncoderObserver | None = None,
@@ -109,8 +127,16 @@ class ImageEncoder:
         arena: Arena | None = None,
     ) -> None:
         self.backend = backend
+        """The model as given."""
+        self.model = as_model(backend)
+        """The model as the batcher drives it (a fixed-grid backend adapted)."""
         self.store = store
         self.settings = settings if settings is not None else EncoderSettings()
+        if store is not None and self.model.fixed_tokens is None:
+            raise ValueError(
+                "the cluster-wide store (store_master) needs a model with one token count per "
+                f"image; {self.model.model_id} varies it per image"
+            )
         self.observer: EncoderObserver = observer or NullEncoderObserver()
         self._arena = arena
         # With an arena, the arena is the cache (``cache_bytes`` bounds what it keeps).
@@ -130,18 +156,19 @@ class ImageEncoder:
             )
         )
         self._store_reads: dict[CacheKey, _StoreRead] = {}
+        model = self.model
         self.info = EncoderInfo(
-            model_id=backend.model_id,
-            tokens_per_image=backend.tokens_per_image,
-            hidden_size=backend.hidden_size,
-            dtype=DTYPE_NAMES[backend.dtype],
-            image_size=backend.preprocess.image_size,
+            model_id=model.model_id,
+            tokens_per_image=model.fixed_tokens,
+            hidden_size=model.hidden_size,
+            dtype=DTYPE_NAMES[model.dtype],
+            image_size=model.preprocess.image_size if isinstance(model, FixedShape) else None,
             max_batch_size=self.settings.max_batch_size,
+            device=str(model.device),
         )
         self.batcher = Batcher(
-            backend,
+            model,
             self.settings,
-            bytes_per_image=self.info.bytes_per_image,
             observer=self.observer,
             cache=self._cache,
             arena=arena,
@@ -251,11 +278,12 @@ class ImageEncoder:
                 f"{len(items)} images in one request; this server accepts at most "
                 f"{self.settings.queue_size}"
             )
-        model_id = self.backend.model_id
+        model_id = self.model.model_id
         keys = await self.batcher.run_decode(
             lambda: [content_key(model_id, data) for data in items]
         )
         results: list[torch.Tensor | None] = [None] * len(items)
+        grids: list[Grid | None] = [None] * len(items)
         segments: list[Segment | None] = [None] * len(items)
         handed_over = False
         try:
@@ -265,10 +293,12 @@ class ImageEncoder:
                     if segment is not None:
                         segments[index] = segment
                         results[index] = self.batcher.row_view(segment)
+                        grids[index] = _grid(segment.tag)
                 misses = sum(result is None for result in results)
                 self.observer.cache_looked_up(len(items) - misses, misses)
             elif self._cache is not None:
                 results = [self._cache.get(key) for key in keys]
+                grids = [self._cache.grid(key) for key in keys]
                 misses = sum(result is None for result in results)
                 self.observer.cache_looked_up(len(items) - misses, misses)
             missing = [i for i, result in enumerate(results) if result is None]
@@ -278,9 +308,8 @@ class ImageEncoder:
                     await self._keep_store_hits(keys, results, missing, segments)
                 missing = [i for i, result in enumerate(results) if result is None]
             if missing:
-                await self._encode_missing(items, keys, results, missing, segments)
+                await self._encode_missing(items, keys, results, grids, missing, segments)
             rows = [result for result in results if result is not None]
-            grids = self.image_grids(keys)
             if self._arena is not None and all(segment is not None for segment in segments):
                 parts = [(seg, row) for seg, row in zip(segments, rows, strict=True) if seg]
                 embedding: Embedding | ArenaEmbedding = await self.batcher.run_decode(
@@ -297,12 +326,6 @@ class ImageEncoder:
                     if segment is not None:
                         segment.arena.release(segment)
 
-    def image_grids(self, keys: Sequence[CacheKey]) -> list[Grid | None]:
-        """Per image, the grid the model used for it, reported with the embedding (SGLang's
-        ``grid_dim``). Every backend here has a fixed grid (the built-in ViT, CLIP/SigLIP
-        towers): None for each image. A backend with a per-image grid reports it here."""
-        return [None] * len(keys)
-
     async def _keep_store_hits(
         self,
         keys: list[CacheKey],
@@ -315,6 +338,8 @@ class ImageEncoder:
         lands in memory of its own (an abandoned read may still write it), hence the copy; with
         the arena full, the hit stays where it is and the request registers its own memory."""
         assert self._arena is not None
+        assert self.model.fixed_tokens is not None
+        nbytes = self.batcher.row_bytes(self.model.fixed_tokens)
         placed: dict[CacheKey, Segment] = {}
         for index in looked_up:
             row, key = results[index], keys[index]
@@ -322,7 +347,7 @@ class ImageEncoder:
                 continue
             segment = placed.get(key)
             if segment is None:
-                segment = self._arena.allocate(self.info.bytes_per_image)
+                segment = self._arena.allocate(nbytes)
                 if segment is None:
                     continue
                 segments[index] = segment  # from here the caller's cleanup releases it
@@ -358,7 +383,7 @@ class ImageEncoder:
         try:
             if reads:
                 into = [self._landing_row() for _ in reads]
-                fingerprint = self.backend.fingerprint
+                fingerprint = self.model.fingerprint
                 found = await self.store.get([store_key(fingerprint, k) for k in reads], into)
                 # A miss's tensor may still be written by an abandoned read: it is dropped.
                 for read, tensor, hit in zip(reads.values(), into, found, strict=True):
@@ -385,14 +410,16 @@ class ImageEncoder:
         sends from and the cache keeps, so a hit is never copied. An abandoned read may still
         write it after the lookup gave up (the store keeps it alive until then); whatever
         provides this memory must not reuse it while a reference to it remains."""
-        backend = self.backend
-        return torch.empty(backend.tokens_per_image, backend.hidden_size, dtype=backend.dtype)
+        model = self.model
+        assert model.fixed_tokens is not None  # the store is refused for other models
+        return torch.empty(model.fixed_tokens, model.hidden_size, dtype=model.dtype)
 
     async def _encode_missing(
         self,
         items: Sequence[bytes],
         keys: list[CacheKey],
         results: list[torch.Tensor | None],
+        grids: list[Grid | None],
         missing: list[int],
         segments: list[Segment | None],
     ) -> None:
@@ -409,22 +436,23 @@ class ImageEncoder:
                 f"the encoder queue is full ({self.queued_images} of "
                 f"{self.settings.queue_size} images waiting); retry later"
             )
-        request = _Request(results, remaining=len(missing), segments=segments)
+        request = _Request(results, grids, remaining=len(missing), segments=segments)
         try:
             # Join before decoding, so a shared job that finishes meanwhile still delivers.
             for index in shared:
                 self._wait_for(in_flight[keys[index]], request, index)
             if to_decode:
-                pixels = await self.batcher.decode(items, list(to_decode.values()))
-                room = await self.batcher.reserve_segments(len(to_decode))
+                prepared = await self.batcher.decode(items, list(to_decode.values()))
+                room = await self.batcher.reserve_segments([image.tokens for image in prepared])
                 try:
                     # A caller cancelled while its decode thread ran learns that first; only a
                     # caller still wanted hears that the encoder stopped meanwhile.
                     await trio.lowlevel.checkpoint_if_cancelled()
                     if not self.batcher.running:
                         raise self._not_running()
-                    pixels_by_key = dict(zip(to_decode, pixels, strict=True))
-                    self._queue_jobs(request, keys, own, pixels_by_key, room)
+                    places = zip(prepared, range(len(room)), strict=True)
+                    by_key = dict(zip(to_decode, places, strict=True))
+                    self._queue_jobs(request, keys, own, by_key, room)
                 finally:
                     release_all(room)  # what no new job took
             await request.done.wait()
@@ -438,17 +466,19 @@ class ImageEncoder:
         request: _Request,
         keys: list[CacheKey],
         indices: list[int],
-        pixels: dict[CacheKey, torch.Tensor],
-        room: list[Segment],
+        prepared: dict[CacheKey, tuple[Prepared, int]],
+        room: list[Segment | None],
     ) -> None:
         """Wait for each image's job, queueing one only where no request queued it meanwhile
-        (while this one decoded). A new job takes a segment from ``room`` if any is left."""
+        (while this one decoded). A new job takes its image's segment from ``room`` (by the
+        position ``prepared`` gives it), leaving None there."""
         now = trio.current_time()
         for index in indices:
             job = self.batcher.in_flight.get(keys[index])
             if job is None:
-                segment = room.pop() if room else None
-                job = self.batcher.submit(keys[index], pixels[keys[index]], now, segment)
+                image, place = prepared[keys[index]]
+                segment, room[place] = room[place], None
+                job = self.batcher.submit(keys[index], image, now, segment)
             self._wait_for(job, request, index)
 
     @staticmethod
@@ -475,14 +505,24 @@ def _checksummed(embedding: ArenaEmbedding) -> ArenaEmbedding:
     return embedding
 
 
-def _assemble(rows: list[torch.Tensor], grids: Sequence[Grid | None]) -> Embedding:
+def _grid(tag: object) -> Grid | None:
+    """The grid an arena segment was tagged with (None: a fixed-grid image)."""
+    if tag is None:
+        return None
+    if not isinstance(tag, tuple):
+        raise TypeError(f"a segment's tag is a grid, got {tag!r}")
+    return tuple(int(v) for v in tag)
+
+
+def _assemble(rows: list[torch.Tensor], grids: list[Grid | None]) -> Embedding:
     """In a worker thread: the request's rows as one embedding, its checksum computed (it
     reads every byte, so not on the event loop)."""
+    lens = tuple(int(row.shape[0]) for row in rows)
     if len(rows) == 1:
-        embedding = Embedding(rows[0], tuple(grids))
+        embedding = Embedding(rows[0], tuple(grids), lens)
     else:
         with torch.inference_mode():
-            embedding = Embedding(torch.cat(rows, dim=0), tuple(grids))
+            embedding = Embedding(torch.cat(rows, dim=0), tuple(grids), lens)
     embedding.checksum  # noqa: B018 - computed here, remembered by the embedding
     return embedding
 

@@ -1,4 +1,7 @@
-"""A real vision tower (CLIP or SigLIP, Hugging Face format) from a local directory.
+"""A Hugging Face model from a local directory: a VLM's vision path, or a CLIP/SigLIP tower.
+
+:func:`load_hf_model` reads the directory's ``config.json`` and picks: a VLM family goes to
+:mod:`trio_encode.encoder.vlm`; a bare CLIP or SigLIP tower is served here, whole.
 
 ``transformers`` is imported only here and only when such a model is asked for, so the server
 runs without it. Nothing is ever downloaded: the directory must hold the config and weights.
@@ -19,6 +22,7 @@ import torch
 from PIL import Image
 
 from trio_encode.embedding import TORCH_DTYPES
+from trio_encode.encoder.backend import FixedShape, VisionModel
 from trio_encode.encoder.fingerprint import model_fingerprint, weights_digest
 from trio_encode.encoder.images import Preprocess
 from trio_encode.encoder.settings import EncoderSettings
@@ -77,17 +81,12 @@ class HFVisionBackend:
     pixels ``(B, 3, S, S)`` -> patch-token features ``(B, tokens, hidden)``."""
 
     def __init__(self, settings: EncoderSettings) -> None:
-        if settings.hf_model_dir is None:
-            raise ValueError("HFVisionBackend needs settings.hf_model_dir")
-        model_dir = settings.hf_model_dir
+        if settings.model is None:
+            raise ValueError("HFVisionBackend needs settings.model")
+        model_dir = settings.model
         transformers = _transformers()
         config = _read_json(model_dir / "config.json")
         model_type = str(config.get("model_type", ""))
-        if model_type not in _KINDS:
-            supported = ", ".join(sorted(_KINDS))
-            raise ValueError(
-                f"{model_dir} holds a {model_type or 'untyped'} model; supported: {supported}"
-            )
         kind = _KINDS[model_type]
         model_class = getattr(transformers, kind.model_class)
         self.module = (
@@ -99,7 +98,7 @@ class HFVisionBackend:
         vision = self.module.config
         self.dtype = TORCH_DTYPES[settings.dtype]
         self._drop_cls = kind.drops_cls
-        self._feature_layer = settings.hf_feature_layer
+        self._feature_layer = settings.feature_layer
         self.tokens_per_image = (int(vision.image_size) // int(vision.patch_size)) ** 2
         self.hidden_size = int(vision.hidden_size)
         side = int(vision.image_size)
@@ -107,12 +106,12 @@ class HFVisionBackend:
         _check_output_size(prepare, side, model_dir)
         self.preprocess = Preprocess(image_size=side, prepare=prepare)
         self.model_id = (
-            f"hf({model_dir.resolve()},{model_type},layer={settings.hf_feature_layer},"
+            f"hf({model_dir.resolve()},{model_type},layer={settings.feature_layer},"
             f"{settings.dtype})"
         )
         shape = {
             "config": config,
-            "feature_layer": settings.hf_feature_layer,
+            "feature_layer": settings.feature_layer,
             "preprocess": asdict(self.preprocess),
         }
         self.fingerprint = model_fingerprint(
@@ -133,6 +132,36 @@ class HFVisionBackend:
                 features = features[:, 1:, :]
             result: torch.Tensor = features.contiguous()
             return result
+
+
+def load_hf_model(settings: EncoderSettings) -> VisionModel:
+    """The model in ``settings.model``: a VLM's vision path, or a CLIP/SigLIP tower. An
+    unsupported model type, or a setting it does not use, is refused naming what would do."""
+    if settings.model is None:
+        raise ValueError("load_hf_model needs settings.model")
+    from trio_encode.encoder.vlm import FAMILIES, VLMVisionModel
+
+    config = _read_json(settings.model / "config.json")
+    model_type = str(config.get("model_type", ""))
+    if model_type in FAMILIES:
+        if settings.feature_layer != -1:
+            raise ValueError(
+                f"feature_layer does not apply to a {model_type} model: its config names the "
+                "layer its projector reads"
+            )
+        return VLMVisionModel(settings, config)
+    if model_type in _KINDS:
+        if settings.device != "cpu":
+            raise ValueError(
+                f"device {settings.device}: a bare {model_type} tower runs on the cpu only; "
+                "serve a VLM directory to run on a GPU"
+            )
+        return FixedShape(HFVisionBackend(settings))
+    supported = ", ".join(sorted([*FAMILIES, *_KINDS]))
+    raise ValueError(
+        f"{settings.model} holds a {model_type or 'untyped'} model; supported model types: "
+        f"{supported}"
+    )
 
 
 def _image_processor(transformers: Any, model_dir: Path, kind: _Kind, image_size: int) -> Any:

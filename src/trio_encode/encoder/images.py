@@ -125,6 +125,19 @@ def decode_image(data: bytes, preprocess: Preprocess, *, max_pixels: int) -> tor
     The pixel count is checked from the header, before the image is decoded, so a small file
     that declares huge dimensions costs nothing. Blocking: call it from a worker thread.
     """
+    # JPEG can decode at 1/2..1/8 scale directly, never below the size we need; a model's own
+    # processor gets the full image, as it would in transformers.
+    draft = preprocess.image_size if preprocess.prepare is None else None
+    rgb = open_image(data, max_pixels=max_pixels, draft=draft)
+    if preprocess.prepare is not None:
+        return preprocess.prepare(rgb)
+    return _normalise(_resize(rgb, preprocess), preprocess)
+
+
+def open_image(data: bytes, *, max_pixels: int, draft: int | None = None) -> Image.Image:
+    """Decode image bytes to an upright RGB image (EXIF rotation applied), checking the pixel
+    count from the header first. ``draft``: a JPEG may be decoded at a reduced scale that
+    keeps both sides at least this. Blocking: call it from a worker thread."""
     try:
         image = Image.open(io.BytesIO(data), formats=_FORMATS)
     except UnidentifiedImageError:
@@ -140,20 +153,15 @@ def decode_image(data: bytes, preprocess: Preprocess, *, max_pixels: int) -> tor
         if width * height > max_pixels:
             raise InvalidInput(_bomb((width, height), max_pixels))
         try:
-            if preprocess.prepare is None:
-                # JPEG can decode at 1/2..1/8 scale directly, never below the size we need; a
-                # model's own processor gets the full image, as it would in transformers.
-                image.draft("RGB", (preprocess.image_size, preprocess.image_size))
+            if draft is not None:
+                image.draft("RGB", (draft, draft))
             # Cameras store rotation in EXIF; the model must see the photo upright.
             ImageOps.exif_transpose(image, in_place=True)
-            rgb = image.convert("RGB")
+            return image.convert("RGB")
         except (Image.DecompressionBombError, Image.DecompressionBombWarning):
             raise InvalidInput(_bomb((width, height), max_pixels)) from None
         except (OSError, SyntaxError, ValueError, EOFError) as exc:
             raise InvalidInput(f"the image is corrupt or truncated: {exc}") from None
-    if preprocess.prepare is not None:
-        return preprocess.prepare(rgb)
-    return _normalise(_resize(rgb, preprocess), preprocess)
 
 
 def _bomb(size: tuple[int, int] | None, max_pixels: int) -> str:

@@ -8,6 +8,7 @@ same name.
 from __future__ import annotations
 
 import ipaddress
+import re
 from pathlib import Path
 from typing import Annotated, Literal, Self
 
@@ -17,7 +18,7 @@ from pydantic.dataclasses import dataclass
 from trio_encode.declare import comma_separated, setting
 from trio_encode.sizes import ByteSize, MiB
 
-DType = Literal["float32", "bfloat16"]
+DType = Literal["float32", "bfloat16", "float16"]
 
 
 def _existing_dir(path: Path) -> Path:
@@ -27,6 +28,17 @@ def _existing_dir(path: Path) -> Path:
 
 
 ExistingDir = Annotated[Path, AfterValidator(_existing_dir)]
+
+_DEVICE = re.compile(r"^(cpu|cuda(:[0-9]+)?)$")
+
+
+def _device(device: str) -> str:
+    if _DEVICE.match(device) is None:
+        raise ValueError(f"must be cpu or cuda:N, got {device!r}")
+    return device
+
+
+Device = Annotated[str, AfterValidator(_device)]
 
 
 def _cidr(network: str) -> str:
@@ -61,13 +73,12 @@ class EncoderSettings:
     needs no download, so a fresh checkout can serve and be tested.
     """
 
-    # The built-in model (ignored when ``hf_model_dir`` is set).
+    # The built-in model (refused when ``model`` is set: that directory's config decides).
     image_size: int = setting(
         224,
         group="model",
         gt=0,
-        help="Built-in ViT: side in pixels every image is resized to; a multiple of "
-        "patch_size. Ignored with hf_model_dir (the model's config decides).",
+        help="Built-in ViT: side in pixels every image is resized to; a multiple of patch_size.",
     )
     patch_size: int = setting(
         16,
@@ -87,13 +98,22 @@ class EncoderSettings:
         2048,
         group="model",
         gt=0,
-        help="The language model's hidden size: the width of every embedding row sent to "
-        "prefill ranks (the projector's output).",
+        help="Built-in ViT: the language model's hidden size, the width of every embedding "
+        "row sent to prefill ranks (the projector's output). A model directory's config "
+        "gives its own.",
     )
     dtype: DType = setting(
         "float32",
         group="model",
-        help="Dtype of the model and of the embeddings sent; bfloat16 halves the bytes moved.",
+        help="Dtype of the model and of the embeddings sent; bfloat16 or float16 halve the "
+        "bytes moved.",
+    )
+    device: Device = setting(
+        "cpu",
+        group="model",
+        help="Where the forward runs: cpu or cuda:N. On CUDA the embeddings are copied into "
+        "the arena (pinned host memory) asynchronously, and the copy completes before any "
+        "send reads them.",
     )
     seed: int = setting(
         0,
@@ -108,18 +128,20 @@ class EncoderSettings:
         "trio_encode.encoder.model.save_weights) instead of seeded random ones.",
     )
 
-    # A real vision tower instead of the built-in one.
-    hf_model_dir: ExistingDir | None = setting(
+    # A real model instead of the built-in one.
+    model: ExistingDir | None = setting(
         None,
         group="model",
-        help="Serve a local CLIP or SigLIP vision tower in Hugging Face format instead of the "
-        "built-in ViT (needs the 'hf' extra; nothing is downloaded).",
+        help="Serve a Hugging Face model from this local directory (config, safetensors, "
+        "processor files; nothing is downloaded) instead of the built-in ViT: a VLM's vision "
+        "tower and projector (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA 1.5, LLaVA-OneVision, "
+        "Gemma 3, InternVL), or a bare CLIP/SigLIP tower. Needs the 'hf' extra.",
     )
-    hf_feature_layer: int = setting(
+    feature_layer: int = setting(
         -1,
         group="model",
-        help="With hf_model_dir: hidden layer whose states are returned (-1 the last; "
-        "LLaVA uses -2).",
+        help="With a CLIP/SigLIP tower as model: hidden layer whose states are returned (-1 "
+        "the last). A VLM's config names its own.",
     )
 
     # Batching.
@@ -128,6 +150,14 @@ class EncoderSettings:
         group="batching",
         gt=0,
         help="Images per forward pass, gathered across concurrent requests.",
+    )
+    max_batch_tokens: int | None = setting(
+        None,
+        group="batching",
+        gt=0,
+        help="Image tokens per forward pass (the sum of its images' embedding rows); a "
+        "forward holds at least one image whatever its size. Default: only max_batch_size "
+        "bounds a forward.",
     )
     max_batch_wait: float = setting(
         0.005,
@@ -247,6 +277,32 @@ class EncoderSettings:
     )
 
     @model_validator(mode="after")
+    def _flags_apply(self) -> Self:
+        """A setting the configured model does not use is refused, never silently ignored."""
+        builtin_only = (
+            "image_size",
+            "patch_size",
+            "width",
+            "depth",
+            "heads",
+            "mlp_ratio",
+            "hidden_size",
+            "seed",
+            "weights",
+        )
+        if self.model is not None:
+            given = [name for name in builtin_only if _differs(self, name)]
+            if given:
+                raise ValueError(
+                    f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only to the "
+                    f"built-in ViT; the model directory "
+                    f"{self.model} decides its own (drop them)"
+                )
+        elif _differs(self, "feature_layer"):
+            raise ValueError("feature_layer only applies with model (a CLIP/SigLIP tower)")
+        return self
+
+    @model_validator(mode="after")
     def _shapes_fit(self) -> Self:
         if self.image_size % self.patch_size:
             raise ValueError(
@@ -255,3 +311,9 @@ class EncoderSettings:
         if self.width % self.heads:
             raise ValueError(f"width {self.width} is not divisible by heads {self.heads}")
         return self
+
+
+def _differs(settings: EncoderSettings, name: str) -> bool:
+    """Whether a field holds other than its default (a value someone chose)."""
+    default = EncoderSettings.__pydantic_fields__[name].default  # type: ignore[attr-defined]
+    return bool(getattr(settings, name) != default)

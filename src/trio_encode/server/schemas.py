@@ -180,6 +180,7 @@ def _describe(exc: ValidationError) -> str:
 def _shape_fields(shape: EmbeddingShape) -> dict[str, Any]:
     return {
         "embedding_len": shape.rows,
+        "embedding_lens": list(shape.image_lens),
         "embedding_dim": shape.dim,
         "embedding_size": shape.nbytes,
         "dtype": shape.dtype,

@@ -27,7 +27,7 @@ from rich.table import Table
 from trio_encode.client import EncodeClient, EncodeResult, LandingPool, LandingSlot, metric_value
 from trio_encode.declare import setting
 from trio_encode.embedding import TORCH_DTYPES
-from trio_encode.encoder import ImageEncoder, decode_image, load_item
+from trio_encode.encoder import ImageEncoder, load_item
 from trio_encode.errors import RequestError
 from trio_encode.server.metrics import Metrics
 from trio_encode.server.serve import open_server
@@ -135,6 +135,8 @@ async def _run(settings: ServerSettings, config: DemoSettings, steps: Steps) -> 
         encoder = await trio.to_thread.run_sync(
             partial(ImageEncoder.from_settings, settings.encoder, observer=metrics)
         )
+    if encoder.info.bytes_per_image is None:
+        raise ValueError("the demo needs a model with one token count per image")
     per_request = images * encoder.info.bytes_per_image
     items = [[noise_uri(req * images + i, 224) for i in range(images)] for req in range(requests)]
     answers: dict[tuple[int, int], tuple[EncodeResult, LandingSlot]] = {}
@@ -206,11 +208,9 @@ def _direct_embedding(encoder: ImageEncoder, items: list[str]) -> torch.Tensor:
     rows = []
     for item in items:
         data = load_item(item, max_bytes=settings.max_image_bytes)
-        pixels = decode_image(
-            data, encoder.backend.preprocess, max_pixels=settings.max_image_pixels
-        )
+        image = encoder.model.decode(data, max_pixels=settings.max_image_pixels)
         with torch.inference_mode():
-            rows.append(encoder.backend.forward(pixels.unsqueeze(0))[0])
+            rows.append(encoder.model.encode([image])[0].to("cpu"))
     return torch.cat(rows).contiguous().view(torch.uint8).flatten()
 
 

@@ -12,16 +12,16 @@ import json
 import math
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
 import httpx
-import torch
 import trio
 
 from trio_encode.client import EncodeClient
 from trio_encode.client.http import answer_of
-from trio_encode.encoder import VisionBackend
+from trio_encode.encoder import Prepared, VisionModel
 from trio_encode.engine import TransferEngine
 from trio_encode.server.metrics import Metrics
 from trio_encode.testing.images import image_uri, noise_pngs
@@ -123,23 +123,22 @@ class BatchRecorder(Metrics):
 
 
 def raw_forward_for(
-    backend: VisionBackend, batch_size: int, seconds: float, *, warmups: int = 1
+    model: VisionModel, images: Sequence[Prepared], seconds: float, *, warmups: int = 1
 ) -> tuple[int, float]:
-    """In a worker thread: images and seconds of back-to-back forwards at ``batch_size`` for
-    at least ``seconds`` (at least one), after ``warmups`` untimed ones. Timed rather than
-    counted so raw and served phases weigh alike whatever the model's speed."""
-    side = backend.preprocess.image_size
-    pixels = torch.randn(batch_size, 3, side, side, generator=torch.Generator().manual_seed(0))
+    """In a worker thread: images and seconds of back-to-back forwards of ``images`` (one
+    batch, as the server would form it) for at least ``seconds`` (at least one), after
+    ``warmups`` untimed ones. Timed rather than counted so raw and served phases weigh alike
+    whatever the model's speed."""
     for _ in range(warmups):
-        backend.forward(pixels)
+        model.encode(images)
     start = time.perf_counter()
-    images = 0
+    count = 0
     while True:
-        backend.forward(pixels)
-        images += batch_size
+        model.encode(images)
+        count += len(images)
         elapsed = time.perf_counter() - start
         if elapsed >= seconds:
-            return images, elapsed
+            return count, elapsed
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""``trio-encode bench --model rdma``: the arena against per-request registration, modelled.
+"""``trio-encode bench --cost-model rdma``: the arena against per-request registration, modelled.
 
 Registration costs microseconds over TCP on loopback, so the measured rows cannot show what
 it costs where it matters. This run puts the real request lifecycle (scope registry, ledger,

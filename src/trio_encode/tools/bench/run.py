@@ -36,12 +36,24 @@ import trio
 
 from trio_encode.arena import Arena
 from trio_encode.client import EncodeClient, metric_value
-from trio_encode.encoder import EncoderSettings, ImageEncoder, load_backend
+from trio_encode.encoder import (
+    EncoderSettings,
+    ImageEncoder,
+    Prepared,
+    VisionModel,
+    load_backend,
+)
 from trio_encode.engine.mooncake import MooncakeEngine
 from trio_encode.server.metrics import Metrics
 from trio_encode.server.serve import RunningServer, open_server
 from trio_encode.settings import ServerSettings
-from trio_encode.tools.bench.load import LoadConfig, LoadProcess, http_client, open_load
+from trio_encode.tools.bench.load import (
+    LoadConfig,
+    LoadProcess,
+    http_client,
+    natural_jpegs,
+    open_load,
+)
 from trio_encode.tools.bench.peer import open_peer
 from trio_encode.tools.bench.phases import (
     BatchRecorder,
@@ -249,6 +261,11 @@ async def _deregister(engine: MooncakeEngine, address: int) -> None:
         await engine.deregister(address)
 
 
+def _prepared(model: VisionModel, jpegs: list[bytes], max_pixels: int) -> list[Prepared]:
+    """In a worker thread: images as the server prepares them, for the raw forward."""
+    return [model.decode(jpeg, max_pixels=max_pixels) for jpeg in jpegs]
+
+
 async def _encoder_rows(
     config: BenchConfig, progress: Progress
 ) -> tuple[str, EncoderRow, ProbeRow, tuple[int, int]]:
@@ -265,6 +282,11 @@ async def _encoder_rows(
     encoder = ImageEncoder(backend, settings, observer=metrics, arena=arena)
     engine = await MooncakeEngine.create(config.engine)
     batch_size = settings.max_batch_size
+    side = encoder.info.image_size or 224
+    batch = await trio.to_thread.run_sync(
+        partial(_prepared, backend, natural_jpegs(batch_size, side), settings.max_image_pixels)
+    )
+    bytes_per_image = max(encoder.batcher.row_bytes(image.tokens) for image in batch)
     raw_images, raw_seconds, raw_rates = 0, 0.0, []
     rounds: list[ServedRound] = []
     latencies: list[float] = []
@@ -277,8 +299,8 @@ async def _encoder_rows(
             url=running.url,
             concurrency=config.concurrency,
             tp=config.encoder_tp,
-            image_size=backend.preprocess.image_size,
-            bytes_per_image=encoder.info.bytes_per_image,
+            image_size=side,
+            bytes_per_image=bytes_per_image,
             engine=config.engine,
             nice=config.load_nice,
         )
@@ -286,9 +308,7 @@ async def _encoder_rows(
             for round_ in range(config.rounds):
                 progress.say(f"encoder round {round_ + 1}/{config.rounds}: raw forward")
                 images, seconds = await trio.to_thread.run_sync(
-                    partial(
-                        raw_forward_for, backend, batch_size, config.raw_seconds / config.rounds
-                    )
+                    partial(raw_forward_for, backend, batch, config.raw_seconds / config.rounds)
                 )
                 raw_images, raw_seconds = raw_images + images, raw_seconds + seconds
                 raw_rates.append(images / seconds)

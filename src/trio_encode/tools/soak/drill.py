@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import trio
 
-from trio_encode.encoder import EncoderSettings, decode_image, load_backend
+from trio_encode.encoder import EncoderSettings, load_backend
 from trio_encode.tools.soak.receiver import ReceiverGone, ReceiverProcess
 
 _ENGINE_CODE = re.compile(r"failed with code (-?\d+)")
@@ -49,15 +49,14 @@ class CheckedImages:
 
         from trio_encode.testing.images import natural_jpegs
 
-        backend = load_backend(settings)
-        side = backend.preprocess.image_size
-        jpegs = natural_jpegs(count, side, seed)
+        model = load_backend(settings)
+        jpegs = natural_jpegs(count, settings.image_size, seed)
         digests = []
         nbytes = 0
         for jpeg in jpegs:
-            pixels = decode_image(jpeg, backend.preprocess, max_pixels=settings.max_image_pixels)
+            image = model.decode(jpeg, max_pixels=settings.max_image_pixels)
             with torch.inference_mode():
-                row = backend.forward(pixels.unsqueeze(0))[0].contiguous()
+                row = model.encode([image])[0].to("cpu").contiguous()
             raw = row.view(torch.uint8).flatten().numpy()
             nbytes = raw.nbytes
             digests.append(xxhash.xxh3_64_intdigest(raw.data))
