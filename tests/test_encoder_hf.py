@@ -147,7 +147,7 @@ def test_unsupported_model_type_is_refused(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
     with pytest.raises(
         ValueError,
-        match="holds a bert model; supported model types: clip, clip_vision_model, gemma3, internvl, llava, qwen2_5_vl",
+        match="holds a bert model; supported model types: clip, clip_vision_model, gemma3",
     ):
         load_backend(EncoderSettings(model=tmp_path))
 

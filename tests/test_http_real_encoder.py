@@ -14,7 +14,7 @@ import trio
 from support.engines import TP, RankEngines
 from support.harness import landing_pools, serving
 from trio_encode.client import LandingSlot, metric_value
-from trio_encode.encoder import EncoderSettings, ImageEncoder, decode_image
+from trio_encode.encoder import EncoderSettings, ImageEncoder
 from trio_encode.testing.images import noise_uri
 
 SMALL = EncoderSettings(
@@ -33,9 +33,9 @@ def direct(encoder: ImageEncoder, uris: list[str]) -> torch.Tensor:
     """The embedding computed by the model directly, one image at a time, no server."""
     rows = []
     for data in encoder._load_items(uris):
-        pixels = decode_image(data, encoder.backend.preprocess, max_pixels=SMALL.max_image_pixels)
+        image = encoder.model.decode(data, max_pixels=SMALL.max_image_pixels)
         with torch.inference_mode():
-            rows.append(encoder.backend.forward(pixels.unsqueeze(0))[0])
+            rows.append(encoder.model.encode([image])[0])
     return torch.cat(rows)
 
 

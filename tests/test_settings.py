@@ -229,7 +229,7 @@ def test_a_missing_hf_extra_is_one_line_that_names_the_fix(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.setitem(sys.modules, "transformers", None)
-    result = CliRunner().invoke(cli, ["serve", "--port", "0", "--hf-model-dir", str(tmp_path)])
+    result = CliRunner().invoke(cli, ["serve", "--port", "0", "--model", str(tmp_path)])
     assert result.exit_code == 1
     assert "Traceback" not in result.output
     (line,) = [line for line in result.output.splitlines() if line.startswith("Error:")]

@@ -141,6 +141,7 @@ def load_hf_model(settings: EncoderSettings) -> VisionModel:
         raise ValueError("load_hf_model needs settings.model")
     from trio_encode.encoder.vlm import FAMILIES, VLMVisionModel
 
+    _transformers()  # a missing extra is named before anything else
     config = _read_json(settings.model / "config.json")
     model_type = str(config.get("model_type", ""))
     if model_type in FAMILIES:
