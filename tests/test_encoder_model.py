@@ -133,3 +133,8 @@ def test_bfloat16_model_is_close_to_float32() -> None:
 def test_settings_are_checked(change: dict[str, object], words: str) -> None:
     with pytest.raises(ValueError, match=words):
         replace(TINY, **change)  # type: ignore[arg-type]
+
+
+def test_random_weights_are_announced_at_load(caplog: pytest.LogCaptureFixture) -> None:
+    BuiltinBackend(TINY)
+    assert "random weights (seed 0): its embeddings are meaningless" in caplog.text

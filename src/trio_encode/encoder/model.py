@@ -168,6 +168,12 @@ class BuiltinBackend:
     """The built-in model behind the forward interface the batcher uses."""
 
     def __init__(self, settings: EncoderSettings) -> None:
+        if settings.weights is None:
+            log.warning(
+                "the built-in ViT has random weights (seed %d): its embeddings are meaningless "
+                "to any language model; serve a real one with --model DIR",
+                settings.seed,
+            )
         self.module = build_model(settings)
         self._run = compile_forward(self.module)
         self.dtype = TORCH_DTYPES[settings.dtype]

@@ -304,21 +304,41 @@ def _non_persistent(model: Any, name: str) -> bool:
 def _materialise_buffers(model: Any, path: str, loaded: set[str]) -> None:
     """Give the module's buffers that no checkpoint holds (rotary frequencies and the like)
     memory, and let the model's own initialiser compute them, as ``from_pretrained`` does.
-    NaN-filled first, so one that nothing computed is caught rather than served."""
+    Filled with a sentinel first (NaN, or the integer type's least value), so one that
+    nothing computed is caught rather than served."""
     root = model.get_submodule(path)
     for module_name, module in root.named_modules(prefix=path):
         for name, buffer in list(module._buffers.items()):
             full = f"{module_name}.{name}"
             if buffer is not None and buffer.is_meta and full not in loaded:
-                filled = torch.full(buffer.shape, math.nan, dtype=buffer.dtype)
-                if not buffer.is_floating_point():
-                    raise ValueError(f"cannot initialise the buffer {full}")
-                module._buffers[name] = filled
+                module._buffers[name] = torch.full(
+                    buffer.shape, _sentinel(buffer.dtype), dtype=buffer.dtype
+                )
         for name, param in module._parameters.items():
             if param is not None and param.is_meta:
                 raise ValueError(f"the checkpoint lacks {module_name}.{name}")
-    for module in root.modules():
-        model._init_weights(module)
+    # Each module is initialised by its nearest enclosing pretrained model (a tower nested in
+    # the VLM, e.g. CLIP's, knows its own buffers), as from_pretrained does.
+    owners = {
+        name: module
+        for name, module in model.named_modules()
+        if hasattr(module, "_init_weights") and hasattr(module, "config")
+    }
+    for name, module in root.named_modules(prefix=path):
+        owner = max(
+            (o for o in owners if o == "" or name == o or name.startswith(f"{o}.")), key=len
+        )
+        owners[owner]._init_weights(module)
     for name, buffer in root.named_buffers(prefix=path):
-        if buffer.is_floating_point() and bool(torch.isnan(buffer).any()):
+        sentinel = _sentinel(buffer.dtype)
+        unset = torch.isnan(buffer) if math.isnan(sentinel) else buffer == sentinel
+        if bool(unset.any()):
             raise ValueError(f"nothing initialised the buffer {name}")
+
+
+def _sentinel(dtype: torch.dtype) -> float:
+    if dtype.is_floating_point:
+        return math.nan
+    if dtype == torch.bool:
+        raise ValueError("a boolean buffer cannot be checked for initialisation")
+    return float(torch.iinfo(dtype).min)

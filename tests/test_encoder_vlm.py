@@ -1,0 +1,146 @@
+"""A VLM's vision path served from a directory: tiny random-weight models of every family,
+built from their configs (nothing downloaded), against transformers' own answers.
+
+For each family the embedding of a request with images of several sizes and aspect ratios is
+byte-for-byte the full model's ``get_image_features`` (float32 and bfloat16: equal, no
+tolerance), each image's row count is the number of image tokens the model's processor puts
+in a prompt for it, and Qwen-VL images report the processor's grid.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import trio
+from PIL import Image
+
+from support.vlms import FAMILIES, TinyVLM, build
+from trio_encode.embedding import ArenaEmbedding
+from trio_encode.encoder import EncoderSettings, ImageEncoder, load_backend
+from trio_encode.encoder.vlm import VLMVisionModel
+
+SIZES = [(90, 60), (40, 130), (200, 200), (57, 57)]
+"""Landscape, tall portrait, large square, odd square: different token counts per image."""
+
+
+def photo(seed: int, size: tuple[int, int]) -> bytes:
+    generator = torch.Generator().manual_seed(seed)
+    array = torch.randint(0, 256, (size[1], size[0], 3), generator=generator, dtype=torch.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(array.numpy()).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+PHOTOS = [photo(seed, size) for seed, size in enumerate(SIZES)]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> TinyVLM:
+    family = str(request.param)
+    return build(family, tmp_path_factory.mktemp(family))
+
+
+async def encode(settings: EncoderSettings, images: list[bytes]) -> torch.Tensor | ArenaEmbedding:
+    encoder = ImageEncoder.from_settings(settings)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(encoder.run)
+        embedding = await encoder.encode(images)
+        nursery.cancel_scope.cancel()
+    return embedding  # type: ignore[return-value]
+
+
+def settings_for(path: Path, **changes: object) -> EncoderSettings:
+    values: dict[str, object] = {
+        "model": path,
+        "max_batch_wait": 0.05,
+        "max_batch_size": len(PHOTOS),
+        "arena_bytes": 8 << 20,
+        "warmup": False,
+    }
+    return EncoderSettings(**(values | changes))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+async def test_served_bytes_equal_transformers_and_counts_equal_the_prompt(
+    tiny: TinyVLM, dtype: str
+) -> None:
+    embedding = await encode(settings_for(tiny.path, dtype=dtype), PHOTOS)
+    assert isinstance(embedding, ArenaEmbedding)  # images of different sizes share the arena
+    images = [Image.open(io.BytesIO(data)).convert("RGB") for data in PHOTOS]
+    expected = tiny.reference(images, getattr(torch, dtype))
+    served = embedding.tensor
+    assert served.dtype == expected.dtype
+    assert torch.equal(served, expected)
+    assert list(embedding.image_lens) == [tiny.prompt_tokens(image) for image in images]
+    if tiny.family.startswith("qwen"):
+        grids = tiny.image_processor(images=images, return_tensors="pt")["image_grid_thw"]
+        assert list(embedding.grids) == [tuple(int(v) for v in g) for g in grids]
+        assert len(set(embedding.image_lens)) > 1  # the sizes really differ
+    else:
+        assert all(grid is None for grid in embedding.grids)
+    embedding.release()
+
+
+def test_the_language_models_weights_are_never_read(tmp_path: Path) -> None:
+    """Every shard that holds only language-model tensors is overwritten with garbage or
+    deleted: the vision path still loads and gives the same embeddings."""
+    build("qwen2_5_vl", tmp_path)
+    settings = settings_for(tmp_path)
+    before = load_backend(settings)
+    prepared = [before.decode(data, max_pixels=10**7) for data in PHOTOS]
+    expected = torch.cat(before.encode(prepared))
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
+    shards: dict[str, set[str]] = {}
+    for name, shard in index.items():
+        shards.setdefault(shard, set()).add(name)
+    language_only = sorted(
+        shard for shard, names in shards.items() if not any(n.startswith("visual.") for n in names)
+    )
+    assert len(language_only) >= 2, "the tiny model must have language-only shards"
+    for number, shard in enumerate(language_only):
+        if number % 2:
+            (tmp_path / shard).unlink()
+        else:
+            (tmp_path / shard).write_bytes(b"\xff" * 4096)
+    after = load_backend(settings)
+    assert torch.equal(torch.cat(after.encode(prepared)), expected)
+
+
+def test_the_language_model_stays_without_memory(tmp_path: Path) -> None:
+    build("qwen2_5_vl", tmp_path)
+    model = load_backend(settings_for(tmp_path))
+    assert isinstance(model, VLMVisionModel)
+    language = model.model.get_submodule("model.language_model")
+    assert all(param.is_meta for param in language.parameters())
+    assert not any(
+        param.is_meta for param in model.model.get_submodule("model.visual").parameters()
+    )
+
+
+def test_a_missing_vision_tensor_is_named(tmp_path: Path) -> None:
+    build("qwen2_5_vl", tmp_path)
+    index_path = tmp_path / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    del index["weight_map"]["visual.merger.mlp.0.weight"]
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(
+        ValueError, match=r"lacks 1 vision tensors, e\.g\. model\.visual\.merger\.mlp\.0"
+    ):
+        load_backend(settings_for(tmp_path))
+
+
+def test_flags_of_the_built_in_model_are_refused_with_a_model_directory(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="hidden_size applies only to the built-in ViT"):
+        EncoderSettings(model=tmp_path, hidden_size=3584)
+    with pytest.raises(ValueError, match="image_size, hidden_size apply only"):
+        EncoderSettings(model=tmp_path, hidden_size=3584, image_size=448)
+
+
+def test_feature_layer_is_refused_for_a_vlm(tmp_path: Path) -> None:
+    build("llava", tmp_path)
+    with pytest.raises(ValueError, match="feature_layer does not apply to a llava model"):
+        load_backend(settings_for(tmp_path, feature_layer=-2))
