@@ -38,6 +38,18 @@ def tests(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
+def gpu(session: nox.Session) -> None:
+    """GPU checks on ``cuda:0`` (not a default session; needs a CUDA build of torch, so it
+    installs without ``constraints.txt``'s CPU pin): a tiny Qwen2.5-VL-shaped model served on
+    the GPU gives exactly transformers' own ``get_image_features`` on the same device, in
+    float32 and bfloat16, through the pinned host arena (``tests/gpu``); then the bench's VLM
+    encoder row on ``cuda:0``."""
+    session.install(".[mooncake,hf,bench]", *nox.project.dependency_groups(PYPROJECT, "tests"))
+    session.run("pytest", "--gpu", "tests/gpu", *session.posargs)
+    session.run("trio-encode", "bench", "--vlm-only", "--device", "cuda:0")
+
+
+@nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
     """ruff (check and format) over the code and the docs' Python, strict mypy over the package."""
     _install(session, "mooncake", "hf", "bench", "group:lint")

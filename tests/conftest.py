@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -52,6 +53,18 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=_env_int("TRIO_ENCODE_EXPLORE_COUNT") or 300,
         help="how many random schedules each exploring test runs (default 300)",
     )
+    parser.addoption(
+        "--gpu",
+        action="store_true",
+        help="also run tests/gpu (needs cuda:0; nox -s gpu); never part of the default run",
+    )
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """tests/gpu needs a CUDA device: collected only with ``--gpu``."""
+    if collection_path.name == "gpu" and collection_path.parent.name == "tests":
+        return None if config.getoption("--gpu") else True
+    return None
 
 
 def _env_int(name: str) -> int | None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
 import torch
 import trio
@@ -139,6 +140,8 @@ class ImageEncoder:
             )
         self.observer: EncoderObserver = observer or NullEncoderObserver()
         self._arena = arena
+        if arena is not None and self.model.device.type == "cuda":
+            pin_for_cuda(arena)
         # With an arena, the arena is the cache (``cache_bytes`` bounds what it keeps).
         self._cache = (
             EmbeddingCache(self.settings.cache_bytes)
@@ -533,3 +536,12 @@ def arena_for(settings: EncoderSettings) -> Arena | None:
     if settings.arena_bytes <= 0:
         return None
     return Arena(settings.arena_bytes, cache_bytes=settings.cache_bytes)
+
+
+def pin_for_cuda(arena: Arena) -> None:
+    """Page-lock the arena with CUDA, so a device-to-host copy into a segment is asynchronous
+    (the forward's thread waits for it before delivering). Once per process and arena."""
+    runtime: Any = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+    status = runtime.cudaHostRegister(arena.address, arena.nbytes, 0)
+    if int(status) != 0:
+        raise RuntimeError(f"cudaHostRegister of the arena ({arena.nbytes} bytes) failed: {status}")

@@ -59,7 +59,7 @@ def _transformers() -> Any:
         import transformers
     except ImportError as exc:
         raise ImportError(
-            "loading a Hugging Face vision tower (hf_model_dir) needs the 'transformers' "
+            "serving a Hugging Face model (model) needs the 'transformers' "
             "package: pip install 'trio-encode[hf]'"
         ) from exc
     return transformers

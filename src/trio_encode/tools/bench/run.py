@@ -47,11 +47,11 @@ from trio_encode.engine.mooncake import MooncakeEngine
 from trio_encode.server.metrics import Metrics
 from trio_encode.server.serve import RunningServer, open_server
 from trio_encode.settings import ServerSettings
+from trio_encode.testing.images import natural_jpegs
 from trio_encode.tools.bench.load import (
     LoadConfig,
     LoadProcess,
     http_client,
-    natural_jpegs,
     open_load,
 )
 from trio_encode.tools.bench.peer import open_peer
