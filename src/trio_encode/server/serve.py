@@ -224,17 +224,15 @@ def startup_facts(settings: ServerSettings, *, bind: str) -> dict[str, str]:
     """The settings an operator checks first, for the start-up line: which config file, model,
     device, dtype, protocol, arena, auth and address are in effect."""
     encoder = settings.encoder
-    if encoder.hf_model_dir is not None:
-        model = f"hf:{encoder.hf_model_dir}"
+    if encoder.model is not None:
+        model = f"hf:{encoder.model}"
     else:
         model = f"built-in ViT {encoder.image_size}px w{encoder.width} d{encoder.depth}"
-        model += f" ({encoder.weights})" if encoder.weights else " (seeded weights)"
-    import torch
-
+        model += f" ({encoder.weights})" if encoder.weights else " (seeded random weights)"
     facts = {
         "config": str(settings.config) if settings.config else "none",
         "model": model,
-        "device": str(torch.get_default_device()),
+        "device": encoder.device,
         "dtype": encoder.dtype,
         "protocol": settings.engine.protocol,
         "arena": format_size(encoder.arena_bytes) if encoder.arena_bytes else "off",
