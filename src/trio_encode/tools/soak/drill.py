@@ -145,6 +145,9 @@ class Rank:
     """How long a slot whose send failed rests (a transfer may still be running into it)."""
     late_writes: list[str] = field(default_factory=list)
     """The req_ids whose slot was written after their send answered 200."""
+    calls_while_frozen: bool = False
+    """Its HTTP calls go on while its receiver is frozen (a peer frozen at first contact);
+    otherwise a frozen rank makes no calls."""
     _free: list[Slot] = field(default_factory=list)
     _returned: trio.Event = field(default_factory=trio.Event)
     _checked: dict[int, str] = field(default_factory=dict)

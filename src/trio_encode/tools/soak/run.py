@@ -13,7 +13,10 @@ warm-up, the faults come:
 - a rank frozen past the deadline: another receiver SIGSTOPped mid-transfer until its requests'
   deadlines have passed (``send_timeout`` + 2 s), then resumed: what Mooncake still had in
   flight for it lands then, and must be its own requests' bytes;
-- a dead rank: one receiver SIGKILLed, and a new one started in its place.
+- a dead rank: one receiver SIGKILLed, and a new one started in its place;
+- (with ``first_contact_freeze``) a rank frozen at first contact: a new receiver takes rank 0's
+  place and is SIGSTOPped before the server has ever reached it, while its calls go on, so the
+  server's first transfer to it meets a frozen peer.
 
 Then it checks, from ``/metrics`` and every receiver: every answer is one the contract allows
 (a 200 whose bytes are the model's, byte for byte, and never written again after its answer;
@@ -58,6 +61,10 @@ from trio_encode.testing.faults import DrillSettings, EngineFaults, FaultPlan
 from trio_encode.tools.soak.drill import Call, CheckedImages, Rank, post
 from trio_encode.tools.soak.receiver import ReceiverGone, ReceiverProcess, open_receiver
 from trio_encode.tools.soak.server import ServerProcess, open_server_process
+
+FIRST_CONTACT_BOUND = 2.0
+"""Seconds an unrelated request's /encode + /send may take while a rank is frozen at first
+contact."""
 
 ALLOWED = {"/encode": {200, 410, 503, 504}, "/send": {200, 410, 502, 503, 504}}
 """What the contract lets each route answer in a soak (no bad input is sent, so no 400, and
@@ -117,6 +124,13 @@ class SoakConfig:
         8.0, group="soak", ge=0, help="How long one rank is SIGSTOPped (0: never)."
     )
     kill: bool = setting(True, group="soak", help="SIGKILL one rank.")
+    first_contact_freeze: float = setting(
+        0.0,
+        group="soak",
+        ge=0,
+        help="Seconds a new rank 0 stays SIGSTOPped from its start while its calls go on, so "
+        "the server's first contact with it meets a frozen peer (0: never).",
+    )
     freeze_past_deadline: bool = setting(
         True,
         group="soak",
@@ -328,6 +342,7 @@ class _Soak:
         self.warm_at: float | None = None
         self.freeze_window: tuple[float, float] | None = None
         self.late_freeze_window: tuple[float, float] | None = None
+        self.first_contact_window: tuple[float, float] | None = None
         self.late_thawed = trio.Event()
         """Set once no rank is frozen past the deadline (the probe's freeze waits for it)."""
         self.killed_at: float | None = None
@@ -353,7 +368,7 @@ class _Soak:
             for r in range(self.config.tp):
                 vanish = self._draw_vanish() if faults else None
                 flow = partial(self.rank_flow, http, req_id, images, r, vanish, nursery)
-                if self.ranks[r].receiver.frozen:
+                if self.ranks[r].receiver.frozen and not self.ranks[r].calls_while_frozen:
                     # The others go on; this rank's calls come when it is back.
                     self.detached += 1
                     nursery.start_soon(self._detached, flow)
@@ -408,7 +423,8 @@ class _Soak:
         nursery: trio.Nursery,
     ) -> None:
         name = rank.name
-        await rank.receiver.wait_thawed()  # a frozen rank makes no calls
+        if not rank.calls_while_frozen:
+            await rank.receiver.wait_thawed()  # a frozen rank makes no calls
         body = {
             "req_id": req_id,
             "mm_items": [self.workload.items[i] for i in images],
@@ -544,6 +560,14 @@ class _Soak:
         finally:
             self.late_thawed.set()
 
+    async def freeze_at_first_contact(self, rank: Rank) -> None:
+        """``rank`` is new and frozen: its calls go on until it is thawed."""
+        start = time.monotonic()
+        await trio.sleep(self.config.first_contact_freeze)
+        rank.receiver.thaw()
+        rank.calls_while_frozen = False
+        self.first_contact_window = (start, time.monotonic())
+
     async def freeze(self, r: int) -> None:
         await self.late_thawed.wait()  # one frozen rank at a time: the probe compares
         rank = self.ranks[r]
@@ -604,6 +628,7 @@ async def _drive(
     config = soak.config
     warmup = config.warmup_requests
     late_freeze_at = warmup + (config.requests - warmup) // 10
+    first_contact_at = warmup + (config.requests - warmup) * 11 // 20
     freeze_at = warmup + (config.requests - warmup) * 2 // 5
     if not (config.freeze_past_deadline and config.tp > 2):
         soak.late_thawed.set()
@@ -623,6 +648,19 @@ async def _drive(
                 requests.start_soon(soak.freeze_past_deadline, 2)
             if index == freeze_at and config.freeze_seconds > 0:
                 requests.start_soon(soak.freeze, 1 % config.tp)
+            if index == first_contact_at and config.first_contact_freeze > 0:
+                first = soak.ranks[0]
+                receiver = await _fresh_receiver(stack, first, soak.session_ids)
+                receiver.freeze()  # before the server has ever reached it
+                fresh = Rank(
+                    receiver,
+                    first.slot_bytes,
+                    first.part_bytes,
+                    dirty_seconds=first.dirty_seconds,
+                    calls_while_frozen=True,
+                )
+                soak.ranks[0] = fresh
+                requests.start_soon(soak.freeze_at_first_contact, fresh)
             if index == kill_at and config.kill:
                 victim = soak.ranks[-1]
                 victim.kill()
@@ -700,7 +738,7 @@ def _result(soak: _Soak, drained: tuple[float, float, str]) -> SoakResult:
     # passed, the server holds more live embeddings by design: reported, not bounded. (A
     # window's median is kept out when the window starts in that span or overlaps its start.)
     held = []
-    for window in (soak.freeze_window, soak.late_freeze_window):
+    for window in (soak.freeze_window, soak.late_freeze_window, soak.first_contact_window):
         if window is not None:
             held.append(window)
     if soak.killed_at is not None:
@@ -737,6 +775,14 @@ def _result(soak: _Soak, drained: tuple[float, float, str]) -> SoakResult:
         elif frozen > config.probe_tolerance * baseline:
             violations.append(
                 f"probe median {frozen * 1000:.1f} ms while frozen vs {baseline * 1000:.1f} ms"
+            )
+    if soak.first_contact_window is not None:
+        start, end = soak.first_contact_window
+        slow = [s for t, s in soak.probe_samples if start <= t < end and s > FIRST_CONTACT_BOUND]
+        if slow:
+            violations.append(
+                f"{len(slow)} probes took over {FIRST_CONTACT_BOUND:g} s (up to {max(slow):.1f} "
+                "s) while a rank was frozen at first contact"
             )
     unexpected = [line for line in soak.server.errors if "failed" not in line]
     violations += [f"server log: {line.strip()[:200]}" for line in unexpected[:10]]
