@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from trio_encode.cli import cli
 from trio_encode.encoder import EncoderSettings
 from trio_encode.server.serve import startup_facts
-from trio_encode.settings import ServerSettings, serve_flags
+from trio_encode.settings import ServerSettings, child_environment, serve_flags
 from trio_encode.testing.faults import FaultPlan, FaultyEngine
 from trio_encode.tools.fleet_demo import FleetDemoConfig
 from trio_encode.tools.soak.run import SoakConfig, server_arguments, server_environment
@@ -258,12 +258,20 @@ def test_child_servers_get_exactly_the_settings_their_tool_declares(
     assert _served_with(server_arguments(soak), captured) == soak.server()
     assert "--engine-faults" in server_arguments(soak)
     assert "--engine-faults" not in server_arguments(SoakConfig(engine_faults=""))
-    assert not [name for name in server_environment(soak) if name.startswith("TRIO_ENCODE_")]
+    assert server_environment(soak)["MC_TRANSFER_TIMEOUT"] == str(soak.transfer_timeout)
     fleet = FleetDemoConfig(encoder=tiny)
     server = fleet.server(port=0, store_master="127.0.0.1:1")
     assert _served_with(serve_flags(server), captured) == server
     assert server.service.send_timeout == fleet.send_timeout
     assert server.encoder.depth == 1  # the model, not the variable's 3
+
+
+def test_a_child_server_inherits_no_settings_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRIO_ENCODE_TOKEN", "would lock the tool's own clients out")
+    monkeypatch.setenv("PYTHONPATH", "kept")
+    env = child_environment({"MC_TRANSFER_TIMEOUT": "2"})
+    assert "TRIO_ENCODE_TOKEN" not in env
+    assert (env["PYTHONPATH"], env["MC_TRANSFER_TIMEOUT"]) == ("kept", "2")
 
 
 def test_a_tool_declared_setting_the_server_refuses_is_refused_when_declared() -> None:
@@ -411,7 +419,8 @@ def test_demo_moves_and_checks_every_byte() -> None:
     # The arena is registered once for the server's life; no request registers anything.
     assert rows["the arena, registered once"] == "yes"
     assert rows["requests outside the arena"] == "0"
-    assert rows["registrations made"] == "1"
+    assert rows["registrations made by requests"] == "0"  # the arena's is counted apart
+    assert rows["registrations released by requests"] == "0"
     assert rows["registrations live at the end"] == "0"
     # Every step, teardown included, says what it waits for.
     assert "waiting for every scope to release its registration" in result.stderr
@@ -428,6 +437,6 @@ def test_demo_without_the_arena_registers_each_request_once() -> None:
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     assert "OK: every byte checked" in result.stdout
     rows = dict(re.findall(r"│ (.+?)\s+│\s+(.+?) │", result.stdout))
-    assert rows["registrations made"] == "3"
-    assert rows["registrations released"] == "3"
+    assert rows["registrations made by requests"] == "3"
+    assert rows["registrations released by requests"] == "3"
     assert rows["registrations live at the end"] == "0"

@@ -66,7 +66,8 @@ async def test_tp4_over_the_arena_registers_once_for_all_requests(
         expected = direct(encoder, uris)
         for r in range(TP):
             assert torch.equal(landed[req_id, r].read(*expected.shape, "float32"), expected)
-    assert metric_value(text, "registrations_total") == 1, "the arena, once"
+    assert metric_value(text, "arena_registrations") == 1, "the arena, once, held"
+    assert metric_value(text, "registrations_total") == 0, "no request registered anything"
     assert metric_value(text, "deregistrations_total") == 0
     assert metric_value(text, "arena_fallbacks") == 0
     assert metric_value(text, "arena_leased_bytes") == 0, "every scope gave its segments back"
@@ -95,6 +96,7 @@ async def test_a_full_arena_falls_back_to_per_request_registration(
             assert torch.equal(landed[req_id, r].read(*expected.shape, "float32"), expected)
     fallbacks = metric_value(text, "arena_fallbacks")
     assert fallbacks == len(requests)
-    assert metric_value(text, "registrations_total") == 1 + fallbacks
+    assert metric_value(text, "registrations_total") == fallbacks
     assert metric_value(text, "deregistrations_total") == fallbacks
+    assert metric_value(text, "arena_registrations") == 1
     assert metric_value(text, "arena_leased_bytes") == 0

@@ -148,8 +148,16 @@ class Metrics:
         self.live_registrations = Gauge(
             METRIC_PREFIX + "live_registrations", "Memory registrations held now.", registry=r
         )
+        self.arena_registrations = Gauge(
+            METRIC_PREFIX + "arena_registrations",
+            "The arena's own registration: 1 while it is held (the server's whole life), "
+            "never counted in registrations_total or deregistrations_total.",
+            registry=r,
+        )
         self.registrations = Counter(
-            METRIC_PREFIX + "registrations", "Memory registrations made.", registry=r
+            METRIC_PREFIX + "registrations",
+            "Memory registrations made, the arena's left out (see arena_registrations).",
+            registry=r,
         )
         self.quarantined_registrations = Gauge(
             METRIC_PREFIX + "quarantined_registrations",
@@ -185,7 +193,10 @@ class Metrics:
             registry=r,
         )
         self.deregistrations = Counter(
-            METRIC_PREFIX + "deregistrations", "Memory registrations released.", registry=r
+            METRIC_PREFIX + "deregistrations",
+            "Memory registrations released, the arena's left out: equal to "
+            "registrations_total once idle.",
+            registry=r,
         )
         self.register_seconds = Histogram(
             METRIC_PREFIX + "register_seconds",
@@ -243,6 +254,7 @@ class Metrics:
             ["kind", "result"],
             registry=r,
         )
+        self._arena: Arena | None = None
         # Until attach() names a service, count the live ones from events.
         self._open_scopes = 0
         self._held_registrations = 0
@@ -348,13 +360,27 @@ class Metrics:
         self.scopes_closed.labels(reason=reason).inc()
         self.scope_seconds.labels(reason=reason).observe(seconds)
 
+    def watch_arena(self, arena: Arena | None) -> None:
+        """Count ``arena``'s own registration in ``arena_registrations``, apart from the
+        per-request ones (so those are made and released in pairs)."""
+        self._arena = arena
+
+    def _is_arena(self, address: int) -> bool:
+        return self._arena is not None and address == self._arena.address
+
     def registered(self, address: int, length: int) -> None:
         self._held_registrations += 1
-        self.registrations.inc()
+        if self._is_arena(address):
+            self.arena_registrations.set(1)
+        else:
+            self.registrations.inc()
 
     def deregistered(self, address: int) -> None:
         self._held_registrations -= 1
-        self.deregistrations.inc()
+        if self._is_arena(address):
+            self.arena_registrations.set(0)
+        else:
+            self.deregistrations.inc()
 
     def registration_timed(self, call: RegistrationCall, seconds: float) -> None:
         histogram = self.register_seconds if call == "register" else self.deregister_seconds

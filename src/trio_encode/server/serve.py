@@ -100,6 +100,7 @@ async def serve(
     ``sockets``: bound already by :func:`listen` (else bound here, after the service started).
     """
     metrics = metrics if metrics is not None else Metrics()
+    metrics.watch_arena(encoder.arena)
     async with EncodeService.running(
         engine=engine,
         encoder=metrics.timed(encoder),

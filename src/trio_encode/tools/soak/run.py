@@ -51,7 +51,6 @@ from trio_encode.declare import setting
 from trio_encode.encoder import EncoderSettings
 from trio_encode.settings import (
     ServerSettings,
-    child_environment,
     flags,
     model_fields,
     serve_flags,
@@ -292,11 +291,9 @@ class SoakResult:
 
 
 def server_environment(config: SoakConfig) -> dict[str, str]:
-    """The server's environment: no ``TRIO_ENCODE_*`` variable (its settings are its flags),
-    the engine's timeout and ``server_env``."""
-    return child_environment(
-        {"MC_TRANSFER_TIMEOUT": str(config.transfer_timeout), **dict(config.server_env)}
-    )
+    """What the server's environment adds (its settings are its flags): the engine's timeout
+    and ``server_env``."""
+    return {"MC_TRANSFER_TIMEOUT": str(config.transfer_timeout), **dict(config.server_env)}
 
 
 def server_arguments(config: SoakConfig) -> list[str]:
@@ -708,7 +705,7 @@ async def _drain(soak: _Soak, http: httpx.AsyncClient) -> tuple[float, float, st
     with trio.move_on_after(soak.config.deadline_bound + 10):
         while True:
             text = (await http.get("/metrics")).text
-            arena = 1 if metric_value(text, "arena_bytes") else 0
+            arena = metric_value(text, "arena_registrations")
             left = (
                 metric_value(text, "live_scopes"),
                 metric_value(text, "live_registrations") - arena,

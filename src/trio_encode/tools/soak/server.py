@@ -86,14 +86,14 @@ async def open_server_process(
     start_timeout: float = 120.0,
     stop_timeout: float = 60.0,
 ) -> AsyncIterator[ServerProcess]:
-    """Run ``trio-encode serve --port 0 ARGS`` in ``env`` (default: this process's environment
-    without its ``TRIO_ENCODE_*`` variables, so ``ARGS`` are all its settings).
+    """Run ``trio-encode serve --port 0 ARGS`` with ``env`` added to this process's
+    environment, less its ``TRIO_ENCODE_*`` variables (``ARGS`` are all its settings).
 
     Yields once it is ready (``/readyz`` answers 200); on exit stops it (SIGTERM, then SIGKILL after
     ``stop_timeout``) and keeps reading its log until it has gone.
     """
     command = [sys.executable, "-m", "trio_encode.cli", "serve", "--port", "0", *args]
-    full_env = {"MC_LOG_LEVEL": "ERROR", **(child_environment() if env is None else env)}
+    full_env = {"MC_LOG_LEVEL": "ERROR", **child_environment(env)}
     process = await trio.lowlevel.open_process(command, stderr=subprocess.PIPE, env=full_env)
     server = ServerProcess(process)
     try:
