@@ -257,6 +257,8 @@ async def test_an_unexpected_error_ends_only_its_own_request(
         dtype = "float32"
         checksum = "xxh3-64:0"
         segments = ((0, 0),)
+        grids = (None,)
+        image_lens = (0,)
 
         def copy(self) -> BrokenMemory:
             return self
