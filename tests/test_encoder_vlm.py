@@ -22,6 +22,8 @@ from support.vlms import FAMILIES, TinyVLM, build
 from trio_encode.embedding import ArenaEmbedding
 from trio_encode.encoder import EncoderSettings, ImageEncoder, load_backend
 from trio_encode.encoder.vlm import VLMVisionModel
+from trio_encode.testing.images import mixed_jpegs
+from trio_encode.testing.tiny_vlm import VLM_IMAGE_SIZES, save_tiny_qwen2_5_vl
 
 SIZES = [(90, 60), (40, 130), (200, 200), (57, 57)]
 """Landscape, tall portrait, large square, odd square: different token counts per image."""
@@ -144,3 +146,18 @@ def test_feature_layer_is_refused_for_a_vlm(tmp_path: Path) -> None:
     build("llava", tmp_path)
     with pytest.raises(ValueError, match="feature_layer does not apply to a llava model"):
         load_backend(settings_for(tmp_path, feature_layer=-2))
+
+
+def test_the_bench_models_mix_of_sizes_gives_different_token_counts(tmp_path: Path) -> None:
+    save_tiny_qwen2_5_vl(tmp_path)
+    model = load_backend(EncoderSettings(model=tmp_path))
+    jpegs = mixed_jpegs(len(VLM_IMAGE_SIZES), VLM_IMAGE_SIZES)
+    prepared = [model.decode(jpeg, max_pixels=10**7) for jpeg in jpegs]
+    assert [image.tokens for image in prepared] == [64, 72, 50, 192]
+    assert [image.grid for image in prepared] == [
+        (1, 16, 16),
+        (1, 12, 24),
+        (1, 20, 10),
+        (1, 24, 32),
+    ]
+    assert [Image.open(io.BytesIO(j)).size for j in jpegs] == list(VLM_IMAGE_SIZES)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import io
+from collections.abc import Sequence
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
@@ -84,3 +85,18 @@ def _encoded(image: Image.Image, fmt: str, **options: object) -> bytes:
     buffer = io.BytesIO()
     image.save(buffer, format=fmt, **options)
     return buffer.getvalue()
+
+
+def mixed_jpegs(
+    count: int, sizes: Sequence[tuple[int, int]], seed: int = 0, quality: int = 92
+) -> list[bytes]:
+    """``count`` photo-like JPEGs (:func:`natural_jpegs`) cycling through ``sizes`` (width,
+    height): a mix of sizes and aspect ratios, for models whose token count follows the size."""
+    images = []
+    for index in range(count):
+        width, height = sizes[index % len(sizes)]
+        square = natural_jpegs(1, max(width, height), seed * 100_003 + index, quality)[0]
+        with Image.open(io.BytesIO(square)) as picture:
+            cropped = picture.convert("RGB").crop((0, 0, width, height))
+        images.append(_encoded(cropped, "JPEG", quality=quality))
+    return images

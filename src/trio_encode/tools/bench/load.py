@@ -40,7 +40,7 @@ from trio_encode.client import EncodeClient, LandingPool, LandingSlot
 from trio_encode.client.http import answer_of
 from trio_encode.client.transport import KeepAliveTransport
 from trio_encode.engine.mooncake import MooncakeEngine, MooncakeSettings
-from trio_encode.testing.images import natural_jpegs
+from trio_encode.testing.images import mixed_jpegs, natural_jpegs
 
 _JSON = {"Content-Type": "application/json"}
 
@@ -71,6 +71,9 @@ class LoadConfig:
     """``encode`` (clients loop /encode then /send) or ``send`` (ranks send given req_ids)."""
     landing_bytes: int = 0
     """In ``send`` mode, each rank's slot: the largest embedding it will receive."""
+    image_sizes: tuple[tuple[int, int], ...] = ()
+    """In ``encode`` mode, (width, height) of the clients' images in turn (empty: squares of
+    ``image_size``)."""
 
 
 def _item_json(jpeg: bytes) -> bytes:
@@ -106,7 +109,11 @@ async def _child(lines: _Lines) -> None:
     if config.mode == "send":
         await _send_child(lines, config)
         return
-    jpegs = natural_jpegs(config.concurrency * IMAGES_PER_CLIENT, config.image_size, config.seed)
+    count = config.concurrency * IMAGES_PER_CLIENT
+    if config.image_sizes:
+        jpegs = mixed_jpegs(count, [(w, h) for w, h in config.image_sizes], config.seed)
+    else:
+        jpegs = natural_jpegs(count, config.image_size, config.seed)
     items = [_item_json(jpeg) for jpeg in jpegs]
     per_rank = -(-config.concurrency // config.tp)
     async with AsyncExitStack() as stack:

@@ -87,6 +87,8 @@ class EncoderRow:
     """Slowest and fastest raw images/s of the rounds (their gap shows the noise)."""
     served_spread: tuple[float, float]
     mean_image_bytes: float
+    mean_tokens: float = 0.0
+    """Image tokens (embedding rows) per image of the raw batch, the mix the clients send."""
 
     @property
     def raw_rate(self) -> float:
@@ -153,13 +155,17 @@ class BenchResult:
         lines = [
             f"trio-encode bench: {self.rounds} alternating rounds, {self.seconds:.0f} s in all; "
             f"torch threads {self.torch_threads}",
-            "",
-            "/send: every rank sends every req_id in turn; ranks and clients in a separate process",
-            "  peer: an asyncio (FastAPI/uvicorn) model of SGLang's /send after its race fix; "
-            "http ms: one rank's /send answered as a repeat (no bytes moved)",
-            f"{'embedding':>10}{'TP':>4}{'arena':>7}{'raw':>12}{'served':>12}{'peer':>12}"
-            f"{'served/raw':>12}{'served/peer':>13}{'reg/req':>9}{'http ms':>9}",
         ]
+        if self.transfers:
+            lines += [
+                "",
+                "/send: every rank sends every req_id in turn; ranks and clients in a separate "
+                "process",
+                "  peer: an asyncio (FastAPI/uvicorn) model of SGLang's /send after its race fix; "
+                "http ms: one rank's /send answered as a repeat (no bytes moved)",
+                f"{'embedding':>10}{'TP':>4}{'arena':>7}{'raw':>12}{'served':>12}{'peer':>12}"
+                f"{'served/raw':>12}{'served/peer':>13}{'reg/req':>9}{'http ms':>9}",
+            ]
         for row in self.transfers:
             peer = f"{size_text(row.peer.per_second)}/s" if row.peer is not None else "-"
             over_peer = row.served_over_peer
@@ -186,6 +192,12 @@ class BenchResult:
                 f"{e.served_spread[0]:.1f}..{e.served_spread[1]:.1f} img/s; JPEGs of "
                 f"{size_text(e.mean_image_bytes)} on average",
             ]
+            if e.mean_tokens:
+                lines.append(
+                    f"  tokens: {e.mean_tokens:.1f} per image; raw "
+                    f"{e.raw_rate * e.mean_tokens:.0f} tokens/s, served "
+                    f"{e.served_rate * e.mean_tokens:.0f} tokens/s"
+                )
         if h is not None:
             lines.append(
                 f"/health every {h.interval * 1000:.0f} ms while encoding: {h.ok}/{h.probes} "

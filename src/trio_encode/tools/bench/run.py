@@ -24,11 +24,13 @@ goes during the run skews every side alike.
 from __future__ import annotations
 
 import resource
+import tempfile
 import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, replace
 from functools import partial
+from pathlib import Path
 
 import httpx
 import torch
@@ -47,7 +49,7 @@ from trio_encode.engine.mooncake import MooncakeEngine
 from trio_encode.server.metrics import Metrics
 from trio_encode.server.serve import RunningServer, open_server
 from trio_encode.settings import ServerSettings
-from trio_encode.testing.images import natural_jpegs
+from trio_encode.testing.images import mixed_jpegs, natural_jpegs
 from trio_encode.tools.bench.load import (
     LoadConfig,
     LoadProcess,
@@ -269,13 +271,24 @@ def _prepared(model: VisionModel, jpegs: list[bytes], max_pixels: int) -> list[P
 async def _encoder_rows(
     config: BenchConfig, progress: Progress
 ) -> tuple[str, EncoderRow, ProbeRow, tuple[int, int]]:
-    """The model's forward against /encode; the encoder rows' server has the cache off."""
+    """The model's forward against /encode; the encoder rows' server has the cache off. With
+    ``config.vlm`` the model is a small Qwen2.5-VL-shaped one, saved into a temporary
+    directory, and the images a mix of sizes."""
     settings = replace(
         config.encoder,
         cache_bytes=0,
         queue_size=max(config.encoder.queue_size, config.concurrency),
         warmup=True,
     )
+    sizes: tuple[tuple[int, int], ...] = ()
+    if config.vlm:
+        from trio_encode.testing.tiny_vlm import VLM_IMAGE_SIZES, save_tiny_qwen2_5_vl
+
+        directory = Path(tempfile.mkdtemp(prefix="trio-encode-bench-vlm-"))
+        progress.say(f"encoder: saving a small Qwen2.5-VL-shaped model into {directory}")
+        await trio.to_thread.run_sync(save_tiny_qwen2_5_vl, directory)
+        settings = replace(settings, model=directory)
+        sizes = VLM_IMAGE_SIZES
     backend = await trio.to_thread.run_sync(load_backend, settings)
     metrics = BatchRecorder()
     arena = Arena(settings.arena_bytes, cache_bytes=0) if settings.arena_bytes else None
@@ -283,8 +296,9 @@ async def _encoder_rows(
     engine = await MooncakeEngine.create(config.engine)
     batch_size = settings.max_batch_size
     side = encoder.info.image_size or 224
+    jpegs = mixed_jpegs(batch_size, sizes) if sizes else natural_jpegs(batch_size, side)
     batch = await trio.to_thread.run_sync(
-        partial(_prepared, backend, natural_jpegs(batch_size, side), settings.max_image_pixels)
+        partial(_prepared, backend, jpegs, settings.max_image_pixels)
     )
     bytes_per_image = max(encoder.batcher.row_bytes(image.tokens) for image in batch)
     raw_images, raw_seconds, raw_rates = 0, 0.0, []
@@ -303,6 +317,7 @@ async def _encoder_rows(
             bytes_per_image=bytes_per_image,
             engine=config.engine,
             nice=config.load_nice,
+            image_sizes=sizes,
         )
         async with open_load(load_config) as load, EncodeClient(running.url) as client:
             for round_ in range(config.rounds):
@@ -344,6 +359,7 @@ async def _encoder_rows(
         raw_spread=spread(raw_rates),
         served_spread=spread([r.images / r.seconds for r in rounds if r.seconds > 0]),
         mean_image_bytes=load.mean_image_bytes,
+        mean_tokens=sum(image.tokens for image in batch) / len(batch),
     )
     probe = ProbeRow(
         interval=config.probe_interval,
@@ -359,9 +375,12 @@ async def run_bench(config: BenchConfig) -> BenchResult:
     """Every row; see the module's doc."""
     started = time.perf_counter()
     progress = Progress(config.progress)
-    transfers, registrations_left, scopes_left = await _transfer_rows(config, progress)
+    transfers: list[TransferRow] = []
+    registrations_left = scopes_left = 0
+    if not config.vlm:
+        transfers, registrations_left, scopes_left = await _transfer_rows(config, progress)
     model_id, encoder, health = "", None, None
-    if config.encoder_rows:
+    if config.encoder_rows or config.vlm:
         model_id, encoder, health, left = await _encoder_rows(config, progress)
         registrations_left += left[0]
         scopes_left += left[1]

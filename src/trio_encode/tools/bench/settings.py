@@ -70,6 +70,13 @@ class BenchConfig:
     encoder_rows: bool = setting(
         True, group="bench", help="Also measure /encode against the model's forward."
     )
+    vlm: bool = setting(
+        False,
+        group="bench",
+        help="Only the encoder rows, on a small Qwen2.5-VL-shaped model with random weights "
+        "(built into a temporary directory, nothing downloaded) and images of four sizes and "
+        "aspect ratios; the row adds tokens/s. Needs the hf extra.",
+    )
     concurrency: int = setting(
         16,
         group="bench",
