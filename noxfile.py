@@ -46,7 +46,7 @@ def gpu(session: nox.Session) -> None:
     encoder row on ``cuda:0``."""
     session.install(".[mooncake,hf,bench]", *nox.project.dependency_groups(PYPROJECT, "tests"))
     session.run("pytest", "--gpu", "tests/gpu", *session.posargs)
-    session.run("trio-encode", "bench", "--vlm-only", "--device", "cuda:0")
+    session.run("trio-encode", "bench", "--vlm", "--device", "cuda:0")
 
 
 @nox.session(python=PYTHON)
