@@ -82,6 +82,28 @@ def explore(session: nox.Session) -> None:
     )
 
 
+@nox.session(python=PYTHON, default=False)
+def sglang(session: nox.Session) -> None:
+    """SGLang 0.5.23's own receiver code (its tokenizer's dispatch, each TP rank's
+    ``WaitingRDMARequest`` with its Mooncake engine and pool) against two real servers, TP=2
+    and TP=4: one image, several, two parts on two servers, pulls before /encode, a bad image,
+    a bad image in one of two parts. Every request must complete with the bytes /encode's
+    checksum names, or abort at once with our error. ``-- 2`` runs TP=2 only."""
+    _install(session, "mooncake", "group:sglang")
+    session.install("--no-deps", "sglang==0.5.23")
+    session.run(
+        "python",
+        "tests/sglang/drive.py",
+        *session.posargs,
+        env={
+            "PYTHONPATH": "tests/sglang/stubs",  # torchvision: see tests/sglang/drive.py
+            "MOONCAKE_PROTOCOL": "tcp",
+            "MC_LOG_LEVEL": "ERROR",
+            "PYTHONWARNINGS": "ignore",
+        },
+    )
+
+
 @nox.session(python=PYTHON)
 def soak(session: nox.Session) -> None:
     """``trio-encode soak``: 5,000 requests against a real server and TP=4 receiver processes

@@ -1,0 +1,363 @@
+"""SGLang 0.5.23's own receiver code, unmodified, against real ``trio-encode serve`` processes.
+
+Run by ``nox -s sglang`` in an environment with the ``sglang==0.5.23`` wheel (installed without
+its dependencies) and what its receiver modules import. Two servers; TP rank processes, each
+with SGLang's ``MooncakeTransferEngine`` (TCP), SGLang's ``EmbeddingPool`` logic and, per
+request, SGLang's ``WaitingRDMARequest`` polled as its scheduler polls it
+(``_try_recv_mm_data`` every tick); the tokenizer's dispatch is SGLang's
+``MMReceiverHTTP.encode``. A request passes when every rank ends ``SUCCESS`` and the bytes
+SGLang hands its model processor equal, part by part, the checksum ``/encode`` reports for
+those images (or, for a bad image, when every rank aborts at once with our error).
+
+What is not SGLang's own code here, and why:
+
+- ``torchvision`` is a stub package (``tests/sglang/stubs``): its CPU build for this torch is
+  not installable here, and SGLang imports it only for model preprocessors this path never
+  runs (InternVL and others).
+- The landing pool is SGLang's ``EmbeddingPool`` with only its constructor replaced, to
+  allocate CPU memory instead of ``cuda:N`` (this machine has no GPU); allocation, release and
+  the engine registration are SGLang's.
+- The model's multimodal processor (``mm_processor``) records the embedding it is handed
+  instead of building model inputs; SGLang's receiver calls it exactly as it calls a real one.
+- The scheduler's TP-wide status all-reduce is left out: each rank's own status is checked.
+- ``MMReceiverHTTP`` is made without its constructor (which needs a whole server's arguments),
+  with the two attributes its ``encode`` reads: the encoder URLs and this host.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import multiprocessing as mp
+import os
+import random
+import socket
+import subprocess
+import sys
+import threading
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import xxhash
+from PIL import Image
+
+HOST = "127.0.0.1"
+POLL = 0.005
+REQUEST_LIMIT = 60.0
+"""Seconds a rank waits for its request before the driver calls it stuck."""
+QUICK = 5.0
+"""Seconds within which a bad request must abort on every rank (SGLang's own timeout: 180)."""
+
+
+# -- the rank processes ---------------------------------------------------------------------
+
+
+def rank_main(rank: int, conn: Any) -> None:
+    """One TP rank: SGLang's engine and pool, then one ``WaitingRDMARequest`` per command."""
+    os.environ.setdefault("MOONCAKE_PROTOCOL", "tcp")
+    import torch
+    import zmq
+    from sglang.srt.disaggregation.encoder import receiver as sgl
+    from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (
+        MooncakeTransferEngine,
+    )
+    from sglang.srt.managers.schedule_batch import Modality
+
+    class CpuEmbeddingPool(sgl.EmbeddingPool):
+        """SGLang's pool with its buffer in CPU memory (the only change)."""
+
+        def __init__(self, size_bytes: int, engine: Any) -> None:
+            self.gpu_id = 0
+            self.size_bytes = size_bytes
+            self.buffer = torch.zeros(size_bytes, dtype=torch.uint8)
+            self.base = self.buffer.data_ptr()
+            self.engine = engine
+            engine.register(self.base, self.buffer.nbytes)
+            self._segments_free = [(0, size_bytes)]
+            self._inflight = {}
+            self._next_slot_id = 0
+            self._total_inflight = 0
+            self._lock = threading.Lock()
+            self._cond = threading.Condition(self._lock)
+
+    class ModelInputs:
+        """What a processor returns (SGLang ties the pool slot's release to its lifetime)."""
+
+        input_ids = [1, 2, 3]
+        mm_items: list[Any] = []
+
+    class RecordingProcessor:
+        """Stands for the model's processor: keeps the bytes SGLang hands it."""
+
+        prefer_tokenized_input = True
+
+        def __init__(self) -> None:
+            self.handed: bytes | None = None
+
+        def get_validated_mm_data(self, prompt: Any, embedding: Any, **extra: Any) -> Any:
+            self.handed = bytes(embedding[Modality.IMAGE].contiguous().view(torch.uint8).numpy())
+            self.extra = extra
+            return ModelInputs()
+
+    engine = MooncakeTransferEngine(hostname=HOST)
+    pool = CpuEmbeddingPool(256 << 20, engine)
+    context = zmq.Context()
+    conn.send(("ready", rank))
+    while (command := conn.recv()) is not None:
+        processor = RecordingProcessor()
+        recv_req = SimpleNamespace(
+            rid=command["rid"],
+            num_items_assigned={Modality.IMAGE: command["assignment"]},
+            input_ids=[1, 2, 3],
+            input_text=None,
+        )
+        waiting = sgl.WaitingRDMARequest(
+            rid=command["rid"],
+            recv_req=recv_req,
+            mm_processor=processor,
+            encoder_urls=command["urls"],
+            host_name=HOST,
+            receive_count=command["tp"],
+            zmq_context=context,
+            embeddings_engine=engine,
+            dtype=torch.float32,
+            gpu_id=0,
+            embedding_pool=pool,
+        )
+        started = time.monotonic()
+        waiting.send_encode_request()
+        while waiting.status == sgl.WaitingMMRequestStatus.PENDING:
+            if time.monotonic() - started > REQUEST_LIMIT:
+                break
+            waiting._try_recv_mm_data()  # what the scheduler does each tick
+            time.sleep(POLL)
+        seconds = time.monotonic() - started
+        parts: list[str] = []
+        data = waiting.recv_embedding_data
+        if processor.handed is not None and data is not None:
+            offset = 0
+            for shape in data.embedding_shape_list:
+                size = shape[0] * shape[1] * 4
+                parts.append(
+                    f"xxh3-64:{xxhash.xxh3_64_hexdigest(processor.handed[offset : offset + size])}"
+                )
+                offset += size
+        conn.send(
+            {
+                "rank": rank,
+                "status": waiting.status.name,
+                "error_msg": waiting.error_msg,
+                "error_code": waiting.error_code,
+                "seconds": seconds,
+                "checksums": parts,
+                "grid": None
+                if data is None
+                else str(processor.__dict__.get("extra", {}).get("img_grid_thw")),
+            }
+        )
+        waiting.release_resources()
+        waiting.close_recv_socket()
+    context.term()
+
+
+# -- the driver -----------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind((HOST, 0))
+        return int(probe.getsockname()[1])
+
+
+def png(seed: int) -> str:
+    rng = random.Random(seed)
+    image = Image.new("RGB", (48 + seed % 5 * 8, 40), tuple(rng.randrange(256) for _ in range(3)))
+    for _ in range(50):
+        image.putpixel((rng.randrange(image.width), rng.randrange(image.height)), (0, 0, 0))
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+BAD = "data:image/png;base64," + base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"\0" * 64).decode()
+"""A PNG signature and nothing decodable: found bad only when the image is decoded."""
+
+
+def start_server(port: int) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "trio_encode",
+            "serve",
+            "--port",
+            str(port),
+            "--engine-protocol",
+            "tcp",
+            "--engine-hostname",
+            HOST,
+            "--send-timeout",
+            "30",
+            "--shutdown-grace",
+            "0",
+            "--dtype",
+            "float32",
+            "--log-level",
+            "WARNING",
+        ],
+        env=os.environ | {"MC_LOG_LEVEL": "ERROR"},
+    )
+
+
+def wait_ready(url: str) -> None:
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/readyz", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{url} never became ready")
+
+
+def checksum_of(url: str, items: list[str], tag: str) -> str:
+    """What ``/encode`` reports for these images (a fresh id: the request under test is gone)."""
+    body = {"req_id": tag, "mm_items": items, "receive_count": 1}
+    answer = httpx.post(url + "/encode", json=body, timeout=120).json()
+    return str(answer["checksum"])
+
+
+def dispatch(urls: list[str], rid: str, items: list[str], assignment: list[int]) -> Any:
+    """SGLang's tokenizer: ``MMReceiverHTTP.encode`` over the two servers."""
+    from sglang.srt.disaggregation.encoder import receiver as sgl
+    from sglang.srt.managers.schedule_batch import Modality
+
+    tokenizer = object.__new__(sgl.MMReceiverHTTP)
+    tokenizer.encode_urls = urls
+    tokenizer.host = HOST
+    mm_data = [{"url": item, "modality": Modality.IMAGE} for item in items]
+    return asyncio.run(
+        tokenizer.encode(
+            req_id=rid,
+            mm_data=mm_data,
+            embedding_port=None,
+            endpoint_encode="encode",
+            num_items_assigned={Modality.IMAGE: assignment},
+            encode_urls=urls,
+        )
+    )
+
+
+SCENARIOS: list[tuple[str, list[str], list[int], bool, bool]] = [
+    # name, items, items per server, pulls before /encode, expect success
+    ("one image", [png(1)], [1, 0], False, True),
+    ("several images", [png(2), png(3), png(4)], [3, 0], False, True),
+    ("two parts on two servers", [png(5), png(6), png(7)], [2, 1], False, True),
+    ("pulls before /encode", [png(8), png(9)], [1, 1], True, True),
+    ("a bad image", [BAD], [1, 0], False, False),
+    ("a bad image in one of two parts", [png(10), BAD], [1, 1], False, False),
+]
+
+
+def run_scenario(
+    ranks: list[Any], urls: list[str], tp: int, number: int, scenario: tuple[Any, ...]
+) -> list[str]:
+    name, items, assignment, pulls_first, succeeds = scenario
+    rid = f"tp{tp}-{number}"
+    command = {"rid": rid, "urls": urls, "assignment": assignment, "tp": tp}
+    outcome: dict[str, Any] = {}
+
+    def tokenizer() -> None:
+        outcome["dispatch"] = dispatch(urls, rid, items, assignment)
+
+    thread = threading.Thread(target=tokenizer)
+    if pulls_first:
+        for conn in ranks[:tp]:
+            conn.send(command)
+        time.sleep(1.0)  # every rank's pulls are waiting before the /encode arrives
+        thread.start()
+    else:
+        thread.start()
+        for conn in ranks[:tp]:
+            conn.send(command)
+    results = [conn.recv() for conn in ranks[:tp]]
+    thread.join()
+    problems: list[str] = []
+    if succeeds:
+        expected, offset = [], 0
+        for server, count in enumerate(assignment):
+            if count:
+                tag = f"check-{rid}-{server}"
+                expected.append(checksum_of(urls[server], items[offset : offset + count], tag))
+                offset += count
+        if outcome["dispatch"] is not None:
+            problems.append(f"tokenizer: {outcome['dispatch']}")
+        for result in results:
+            if result["status"] != "SUCCESS":
+                problems.append(f"rank {result['rank']}: {result['status']} {result['error_msg']}")
+            elif result["checksums"] != expected:
+                problems.append(f"rank {result['rank']}: {result['checksums']} != {expected}")
+    else:
+        for result in results:
+            if result["status"] != "FAIL" or result["seconds"] > QUICK:
+                problems.append(f"rank {result['rank']}: {result}")
+            elif "mm_items[0]" not in str(result["error_msg"]):
+                problems.append(f"rank {result['rank']}: not our error: {result['error_msg']}")
+        if outcome["dispatch"] is None:
+            problems.append("tokenizer: the bad /encode was not reported")
+    slowest = max(r["seconds"] for r in results)
+    verdict = "ok" if not problems else "FAILED"
+    print(
+        f"TP={tp} {name:34s} {verdict:6s} slowest rank {slowest:6.2f} s "
+        f"({results[0]['status']}: {results[0]['error_msg'] or 'bytes match /encode'})",
+        flush=True,
+    )
+    return [f"TP={tp} {name}: {p}" for p in problems]
+
+
+def main() -> int:
+    tps = [int(tp) for tp in (sys.argv[1:] or ["2", "4"])]
+    ports = [free_port(), free_port()]
+    urls = [f"http://{HOST}:{port}" for port in ports]
+    servers = [start_server(port) for port in ports]
+    spawn = mp.get_context("spawn")
+    pipes = [spawn.Pipe() for _ in range(max(tps))]
+    processes = [
+        spawn.Process(target=rank_main, args=(rank, child), daemon=True)
+        for rank, (_, child) in enumerate(pipes)
+    ]
+    problems: list[str] = []
+    try:
+        for process in processes:
+            process.start()
+        ranks = [parent for parent, _ in pipes]
+        for url in urls:
+            wait_ready(url)
+        for conn in ranks:
+            if not conn.poll(600):
+                raise RuntimeError("a rank process did not start")
+            conn.recv()
+        for tp in tps:
+            for number, scenario in enumerate(SCENARIOS):
+                problems += run_scenario(ranks, urls, tp, number, scenario)
+        for conn in ranks:
+            conn.send(None)
+    finally:
+        for server in servers:
+            server.terminate()
+        for server in servers:
+            server.wait(timeout=60)
+        for process in processes:
+            process.join(timeout=30)
+    for problem in problems:
+        print("PROBLEM", problem)
+    print("all scenarios passed" if not problems else f"{len(problems)} problems")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
