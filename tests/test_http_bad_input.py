@@ -9,6 +9,7 @@ also shows that the error did not break the request for the other ranks.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -181,7 +182,7 @@ CASES = [
         "/encode",
         encode(mm_items=[image_uri(b"x" * MAX_BODY)]),
         413,
-        "larger than",
+        f"larger than this server accepts: at most {MAX_BODY} bytes (64KiB)",
         None,
         kind="too_large",
     ),
@@ -327,8 +328,9 @@ async def _post(harness: Harness, route: str, body: bytes | dict[str, Any]) -> h
 
 @pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
 async def test_bad_input_gets_a_contract_error_and_leaves_nothing(
-    rank_engines: RankEngines, case: Case
+    rank_engines: RankEngines, case: Case, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.INFO, logger="trio_encode.access")
     async with (
         serving(rank_engines.server, max_body_bytes=MAX_BODY) as harness,
         landing_pools(rank_engines, 16 * embedding_size(1)) as pools,
@@ -340,9 +342,12 @@ async def test_bad_input_gets_a_contract_error_and_leaves_nothing(
                 await _complete(ctx, req_id, receive_count)
         body = case.body(ctx) if callable(case.body) else case.body
 
+        caplog.clear()
         response = await _post(harness, case.route, body)
 
         assert response.status_code == case.status, response.text
+        (access,) = [r for r in caplog.records if r.name == "trio_encode.access"]
+        assert getattr(access, "req_id", None) == case.req_id  # the same id as the answer
         answer = response.json()
         engine_fields = {"engine_call", "engine_code", "engine_meaning"}
         shape = {"status", "error", "message", "req_id"}

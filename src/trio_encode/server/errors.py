@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from quart import Response, g, jsonify
+from quart import Response, current_app, g, jsonify, request
 from werkzeug.exceptions import HTTPException
 
 from trio_encode.engine import EngineError
@@ -30,6 +30,7 @@ from trio_encode.errors import (
     Unauthorized,
     UnsupportedMediaType,
 )
+from trio_encode.sizes import format_size
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,8 @@ def install_error_handlers(app: Any) -> None:
     async def request_error(exc: RequestError) -> Response:
         if exc.req_id is None:
             exc.req_id = _current_req_id()
+        else:  # found in a body that failed to parse: the access log names it too
+            g.req_id = exc.req_id
         if exc.status >= 500:
             log.warning(
                 "%d %s: %s", exc.status, exc.kind, exc.message, extra={"req_id": exc.req_id}
@@ -91,6 +94,8 @@ def install_error_handlers(app: Any) -> None:
     async def http_error(exc: HTTPException) -> Response:
         status = exc.code or 500
         cls, message = _HTTP_ERRORS.get(status, (InternalError, exc.name))
+        if status == 413:
+            message += _body_limit()
         error = cls(message)
         error.status = status  # Quart's own status, also for one this table does not name
         return error_response(error)
@@ -107,6 +112,15 @@ def install_error_handlers(app: Any) -> None:
     app.register_error_handler(EngineError, engine_error)
     app.register_error_handler(HTTPException, http_error)
     app.register_error_handler(Exception, unexpected)
+
+
+def _body_limit() -> str:
+    """``: at most N bytes`` for the body being refused (the route's own limit, else the
+    server's ``max_body_bytes``)."""
+    limit = getattr(request.body, "_max_content_length", None)
+    if limit is None:
+        limit = current_app.config.get("MAX_CONTENT_LENGTH")
+    return f": at most {limit} bytes ({format_size(limit)})" if limit else ""
 
 
 def _current_req_id() -> str | None:
