@@ -151,3 +151,11 @@ def test_the_drawings_are_what_their_script_draws(tmp_path: Path) -> None:
         assert drawn == (DOCS / "img" / name).read_text(encoding="utf-8"), (
             f"docs/img/{name} is stale: run python docs/img/diagrams.py"
         )
+
+
+def test_the_readme_set_up_is_the_two_commands_it_says() -> None:
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Set-up: two commands", 1)[1]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    commands = [line for line in block.splitlines() if line.strip() and not line.startswith("#")]
+    assert len(commands) == 2, commands
