@@ -203,6 +203,15 @@ MUTANTS: dict[str, Mutant] = {
         "        if False:\n            self._abandoned.append(",
         (PAUSED,),
     ),
+    "a receiver frozen at first contact stalls the engine (failure 23)": Mutant(
+        "engine/mooncake.py",
+        "        if session_id not in self._contacted:\n            await self._first_contact",
+        "        if False:\n            await self._first_contact",
+        (
+            "tests/test_process_faults.py::"
+            "test_a_peer_frozen_at_first_contact_fails_alone_after_its_probe",
+        ),
+    ),
     "a 503 from the encoder is remembered (failure 14)": Mutant(
         "scope.py",
         'self._finish("refused")',

@@ -19,6 +19,7 @@ import httpx
 import pytest
 import torch
 import trio
+import xxhash
 
 from trio_encode.client import metric_value
 from trio_encode.encoder import EncoderSettings
@@ -186,30 +187,100 @@ async def test_a_rank_frozen_under_a_transfer_fails_alone_within_the_engine_time
 
 async def test_mooncake_stalls_every_transfer_while_a_frozen_peer_is_first_contacted() -> None:
     """A fact of the engine that bounds what the server can promise: the first transfer to a
-    peer fetches its descriptor with no timeout, and while that peer is paused, a transfer to
-    a healthy, already known peer from the same engine waits too. (Once known, a paused peer
-    fails alone after the transfer timeout: the test above.) When this test fails, Mooncake
-    has fixed it."""
+    peer does a handshake that waits ~60 s for a paused peer, under a lock every transfer
+    takes, so a transfer to a healthy, already known peer from the same engine waits too
+    (the binding's own calls, without the server's first-contact probe). When this test
+    fails, Mooncake has fixed it."""
     from trio_encode.engine.mooncake import MooncakeEngine
 
     with trio.fail_after(30):
         engine = await MooncakeEngine.create()
         source = torch.ones(4096, dtype=torch.uint8)
         address = int(source.data_ptr())
+
+        async def write(receiver: ReceiverProcess) -> None:
+            await trio.to_thread.run_sync(
+                engine.raw.transfer_sync_write, receiver.session_id, address, receiver.address, 4096
+            )
+
         async with open_receiver(4096, "cold") as cold, open_receiver(4096, "known") as known:
-            await engine.transfer(known.session_id, [(address, 4096)], known.address)
+            await write(known)
             cold.freeze()
             stalled = 0.0
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(
-                    engine.transfer, cold.session_id, [(address, 4096)], cold.address
-                )
+                nursery.start_soon(write, cold)
                 await trio.sleep(0.3)
                 started = time.monotonic()
                 nursery.start_soon(_thaw_after, cold, 2.0)
-                await engine.transfer(known.session_id, [(address, 4096)], known.address)
+                await write(known)
                 stalled = time.monotonic() - started
             assert stalled > 1.0
+
+
+async def test_a_peer_frozen_at_first_contact_fails_alone_after_its_probe() -> None:
+    """The engine probes a receiver it never reached before its first transfer, with a
+    deadline: a paused one fails that send (nothing submitted) and holds no lock, so a
+    transfer to a known receiver goes on at once."""
+    from trio_encode.engine import EngineError
+    from trio_encode.engine.mooncake import MooncakeEngine, MooncakeSettings
+
+    with trio.fail_after(30):
+        engine = await MooncakeEngine.create(MooncakeSettings(first_contact_timeout=1.0))
+        source = torch.ones(4096, dtype=torch.uint8)
+        address = int(source.data_ptr())
+        async with open_receiver(4096, "cold") as cold, open_receiver(4096, "known") as known:
+            await engine.transfer(known.session_id, [(address, 4096)], known.address)
+            cold.freeze()
+            failed: list[float] = []
+
+            async def to_cold() -> None:
+                began = time.monotonic()
+                with pytest.raises(EngineError) as error:
+                    await engine.transfer(cold.session_id, [(address, 4096)], cold.address)
+                assert "first-contact probe" in str(error.value)
+                failed.append(time.monotonic() - began)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(to_cold)
+                await trio.sleep(0.3)
+                for _ in range(3):
+                    started = time.monotonic()
+                    await engine.transfer(known.session_id, [(address, 4096)], known.address)
+                    assert time.monotonic() - started < 0.5
+            assert len(failed) == 1
+            assert failed[0] < 2.0
+            cold.thaw()
+            await engine.transfer(cold.session_id, [(address, 4096)], cold.address)
+            assert await cold.check(0, 4096, [xxhash.xxh3_64_intdigest(bytes(source))], 4096)
+
+
+async def test_a_rank_frozen_at_first_contact_delays_no_other_request(
+    workload: CheckedImages,
+) -> None:
+    """Real processes: a rank the server never sent to is paused; its send fails after the
+    first-contact probe's deadline, and meanwhile an unrelated request's /encode + /send is
+    served in under 2 s."""
+    with trio.fail_after(60):
+        async with deployment(workload, ranks=2) as d:
+            part = workload.bytes_per_image
+            async with open_receiver(8 * part, name="cold") as receiver:
+                cold = Rank(receiver, part, part, dirty_seconds=FROZEN_FAILS_WITHIN)
+                await d.complete("warm-up", 4, d.ranks)
+                receiver.freeze()
+                assert (await d.encode("cold-1", 0, 1, cold)).status == 200
+                results: list[Call] = []
+
+                async def send_to_cold() -> None:
+                    results.append(await d.send("cold-1", 0, cold, check=False))
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(send_to_cold)
+                    await trio.sleep(0.3)  # its first contact is under way, the rank paused
+                    await d.unrelated_request_is_served(d.ranks[0], within=2.0)
+                    await d.unrelated_request_is_served(d.ranks[1], within=2.0)
+                (failed,) = results
+                assert failed.status == 502
+                receiver.thaw()
 
 
 async def _thaw_after(receiver: ReceiverProcess, seconds: float) -> None:

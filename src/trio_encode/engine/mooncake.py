@@ -186,6 +186,11 @@ class _Abandoned:
         return any(batch.reads(address, length) for batch in self.batches)
 
 
+P2P_HANDSHAKE = "P2PHANDSHAKE"
+"""The metadata server setting under which peers exchange descriptors by a handshake."""
+_PROBE_THREADS = 16
+"""Probes of new receivers at once; a probe into a paused peer may hold its thread ~60 s."""
+
 _SETTLE_FIRST_POLL = 0.05
 """Seconds before asking again about a transfer the engine stopped waiting for."""
 _SETTLE_MAX_POLL = 1.0
@@ -241,9 +246,21 @@ class MooncakeSettings:
         "tcp", group="engine", help="Mooncake transport: tcp, or rdma where the NICs support it."
     )
     metadata_server: str = setting(
-        "P2PHANDSHAKE",
+        P2P_HANDSHAKE,
         group="engine",
-        help="Mooncake metadata server; P2PHANDSHAKE needs none (peers exchange descriptors).",
+        help="Mooncake metadata server: P2PHANDSHAKE needs none (peers exchange descriptors, "
+        "and a new receiver is probed first, see first_contact_timeout), or the URL of one, "
+        "e.g. http://HOST:PORT/metadata for mooncake_http_metadata_server (receivers must use "
+        "the same).",
+    )
+    first_contact_timeout: float = setting(
+        2.0,
+        group="engine",
+        gt=0,
+        help="With P2PHANDSHAKE, seconds a receiver never sent to before may take to answer a "
+        "probe before its first transfer; one that does not (a paused process) fails that "
+        "send, instead of stalling every transfer of the engine for ~60 s in Mooncake's "
+        "handshake.",
     )
     device: str = setting(
         "",
@@ -321,10 +338,18 @@ class MooncakeEngine:
     def __init__(self, raw: Any, settings: MooncakeSettings) -> None:
         self._raw = raw
         self._settings = settings
-        self._session_id = f"{settings.hostname}:{raw.get_rpc_port()}"
+        # With P2P handshakes peers name an engine by host and RPC port; with a metadata
+        # server, by the name it registered there (the hostname it was initialised with).
+        if settings.metadata_server == P2P_HANDSHAKE:
+            self._session_id = f"{settings.hostname}:{raw.get_rpc_port()}"
+        else:
+            self._session_id = settings.hostname
         self.threads = EngineThreads(settings.threads)
         self._abandoned: list[_Abandoned] = []
         self._polling = trio.Lock()
+        self._contacted: set[str] = set()
+        """Receivers a transfer reached: Mooncake has their descriptor, no handshake is due."""
+        self._probes = trio.CapacityLimiter(_PROBE_THREADS)
 
     @classmethod
     async def create(cls, settings: MooncakeSettings | None = None) -> MooncakeEngine:
@@ -357,7 +382,8 @@ class MooncakeEngine:
 
     @property
     def session_id(self) -> str:
-        """``hostname:rpc_port``: the name peers use to transfer into this engine."""
+        """The name peers use to transfer into this engine: ``hostname:rpc_port`` with P2P
+        handshakes, the hostname with a metadata server."""
         return self._session_id
 
     @property
@@ -402,6 +428,8 @@ class MooncakeEngine:
         If the wait times out (``transfer_timeout``) while submissions still run, it raises,
         and the source ranges stay :meth:`reading` until Mooncake reports every one ended."""
         segments = list(segments)
+        if session_id not in self._contacted:
+            await self._first_contact(session_id)
         async with self.threads.session_slot(session_id):
             code, pending = await run_in_thread(
                 partial(write_segments, self._raw, session_id, segments, remote_address),
@@ -426,6 +454,39 @@ class MooncakeEngine:
                 session_id=session_id,
                 detail=detail,
             )
+        self._contacted.add(session_id)
+
+    async def _first_contact(self, session_id: str) -> None:
+        """Probe a receiver no transfer has reached yet, with a deadline, before Mooncake's
+        first transfer to it does its handshake.
+
+        That handshake runs under a lock every transfer call of the engine takes, and its read
+        waits up to ~60 s for a peer that accepted the connection but does not answer (a
+        paused process): every other receiver's sends would wait as long. The probe
+        (``send_probe``) takes no such lock; a probe thread that overruns the deadline is left
+        to finish on its own (it touches none of our memory) and the send fails, nothing
+        submitted. A peer that freezes between the probe and the handshake still stalls the
+        engine (a window of a millisecond). With a metadata server there is no handshake.
+        """
+        if self._settings.metadata_server != P2P_HANDSHAKE:
+            return
+        timeout = self._settings.first_contact_timeout
+        with trio.move_on_after(timeout):
+            code = await trio.to_thread.run_sync(
+                self._raw.send_probe, session_id, abandon_on_cancel=True, limiter=self._probes
+            )
+            if code == 0:
+                return
+            raise EngineError(
+                "transfer", int(code), session_id=session_id, detail="its probe failed"
+            )
+        raise EngineError(
+            "transfer",
+            TRANSFER_FAILED,
+            session_id=session_id,
+            detail=f"the receiver did not answer a first-contact probe within {timeout:g} s "
+            "(paused or overloaded?); nothing was sent",
+        )
 
     def reading(self, address: int, length: int) -> bool:
         """Whether a transfer this engine stopped waiting for may still read the range."""
