@@ -299,7 +299,12 @@ async def test_a_failed_encode_fails_every_rank_with_its_message(rank_engines: R
         landing_pools(rank_engines, 1 << 20) as pools,
     ):
         encodes, ranks = await run_request(harness, pools, "rid-f", items, pulls_first=True)
-        assert [r.status_code for r in encodes] == [200, 500]
+        assert encodes[1].status_code == 500
+        # Part 0's /encode either finished first or learns that its sibling failed.
+        assert encodes[0].status_code == 200 or (
+            encodes[0].status_code == 500
+            and encodes[0].json()["message"].startswith("part 1 of this request failed")
+        )
         for rank in ranks:
             assert rank.error is not None
             status, message = rank.error
