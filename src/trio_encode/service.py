@@ -217,10 +217,10 @@ class EncodeService:
         )
         """Pushes SGLang's completion messages; None when they are turned off."""
         self._live: dict[str, _Live] = {}
-        self._failures: OrderedDict[str, tuple[Failure, float, bool]] = OrderedDict()
-        """Recent failures by req_id (or part family): ``(failure, when, retryable)``. A pull
-        arriving after its request failed gets the failure at once, also where the scope left
-        no tombstone (bad input: a corrected /encode may reuse the id, ``retryable``)."""
+        self._failures: OrderedDict[str, tuple[Failure, float]] = OrderedDict()
+        """Recent failures by req_id (or part family), with when. A pull arriving after its
+        request failed gets the failure at once, also where the scope left no tombstone (bad
+        input, after which a corrected /encode may reuse the id and clears the entry)."""
 
     @classmethod
     @asynccontextmanager
@@ -303,7 +303,7 @@ class EncodeService:
             except InvalidInput as exc:
                 # Pulls already waiting for this id learn why now, not at their timeout.
                 self.arrivals.announce(req_id, error=exc)
-                self._failed(req_id, part, set(part.endpoints), Failure.of(exc), retryable=True)
+                self._failed(req_id, part, set(part.endpoints), Failure.of(exc))
                 raise
 
             async def run_encoder() -> EmbeddingMemory:
@@ -333,8 +333,7 @@ class EncodeService:
                 await scope.wait_encoded()
             except RequestError as exc:
                 failure = scope.failure or Failure.of(exc)
-                retryable = scope.end_reason in ("invalid_input", "refused")
-                self._failed(scope.req_id, live.part, live.endpoints, failure, retryable=retryable)
+                self._failed(scope.req_id, live.part, live.endpoints, failure)
             await scope.wait_ended()
         finally:
             if self._live.get(scope.req_id) is live:
@@ -346,12 +345,10 @@ class EncodeService:
         part: Part,
         endpoints: set[Endpoint],
         failure: Failure,
-        *,
-        retryable: bool,
     ) -> None:
         """``req_id`` failed: remember why for its late pulls, push the error to each rank
         named, and end its sibling parts on this server (their ranks will never send them)."""
-        self._remember_failure(req_id, failure, retryable=retryable)
+        self._remember_failure(req_id, failure)
         for endpoint in endpoints:
             self._push_error(endpoint, req_id, part, failure)
         family = Part.family(req_id, part)
@@ -360,7 +357,7 @@ class EncodeService:
         sibling_failure = Failure(
             failure.error_type, f"part {part.part_idx} of this request failed: {failure.message}"
         )
-        self._remember_failure(_FAMILY + family, sibling_failure, retryable=False)
+        self._remember_failure(_FAMILY + family, sibling_failure)
         for index in range(part.num_parts):
             sibling = f"{family}_local_part_{index}"
             if sibling == req_id:
@@ -370,27 +367,27 @@ class EncodeService:
             if scope is not None:
                 scope.abandon(sibling_failure)
 
-    def _remember_failure(self, key: str, failure: Failure, *, retryable: bool) -> None:
+    def _remember_failure(self, key: str, failure: Failure) -> None:
         now = trio.current_time()
-        self._failures[key] = (failure, now, retryable)
+        self._failures[key] = (failure, now)
         self._failures.move_to_end(key)
         while self._failures:
-            _, at, _ = next(iter(self._failures.values()))
+            _, at = next(iter(self._failures.values()))
             if len(self._failures) <= REMEMBER_FAILURES and now - at <= self.settings.pull_timeout:
                 break
             self._failures.popitem(last=False)
 
-    def _recent_failure(self, key: str) -> tuple[Failure, bool] | None:
+    def _recent_failure(self, key: str) -> Failure | None:
         entry = self._failures.get(key)
         if entry is None or trio.current_time() - entry[1] > self.settings.pull_timeout:
             return None
-        return entry[0], entry[2]
+        return entry[0]
 
     def _raise_if_failed(self, req_id: str, part: Part | None = None) -> None:
         """A call for a request that failed recently (no live scope) gets its error now."""
         own = self._recent_failure(req_id)
         if own is not None:
-            raise own[0].error(req_id)
+            raise own.error(req_id)
         self._raise_if_family_failed(req_id, part)
 
     def _raise_if_family_failed(self, req_id: str, part: Part | None) -> None:
@@ -399,7 +396,7 @@ class EncodeService:
             return
         sibling = self._recent_failure(_FAMILY + match.group(1))
         if sibling is not None:
-            raise sibling[0].error(req_id)
+            raise sibling.error(req_id)
 
     def _push_error(self, endpoint: Endpoint, req_id: str, part: Part, failure: Failure) -> None:
         """Tell one prefill rank that this part failed, in the background (best effort)."""
