@@ -124,10 +124,13 @@ class Deployment:
 
 @asynccontextmanager
 async def deployment(
-    workload: CheckedImages, ranks: int = 4, send_timeout: float = SEND_TIMEOUT
+    workload: CheckedImages,
+    ranks: int = 4,
+    send_timeout: float = SEND_TIMEOUT,
+    extra_args: tuple[str, ...] = (),
 ) -> AsyncIterator[Deployment]:
     env = {"MC_TRANSFER_TIMEOUT": str(TRANSFER_TIMEOUT)}
-    args = [*SERVER_ARGS, "--send-timeout", str(send_timeout)]
+    args = [*SERVER_ARGS, "--send-timeout", str(send_timeout), *extra_args]
     async with AsyncExitStack() as stack:
         nursery = await stack.enter_async_context(trio.open_nursery())
         server = await stack.enter_async_context(open_server_process(args, env))
@@ -142,7 +145,8 @@ async def deployment(
         ]
         yield Deployment(server, rigs, http, workload, nursery)
         # Slots answered 200 are checked for late writes once they have rested; then stop.
-        await trio.sleep(rigs[0].quiet_seconds + 0.2)
+        if rigs:
+            await trio.sleep(rigs[0].quiet_seconds + 0.2)
         nursery.cancel_scope.cancel()
         for rig in rigs:
             assert not rig.late_writes, f"{rig.name}: written after a 200: {rig.late_writes}"
@@ -183,6 +187,61 @@ async def test_a_rank_frozen_under_a_transfer_fails_alone_within_the_engine_time
             assert (await d.send("frozen-1", 0, frozen)).status == 200
             await d.settled(within=2)
             assert await d.metric("engine_errors_total", call="transfer", code="-1") == 1
+
+
+async def test_a_frozen_tp4_node_leaves_the_threads_another_node_needs(
+    workload: CheckedImages,
+) -> None:
+    """Two nodes (loopback addresses): every rank of a TP=4 node is paused with sends queued
+    to each; a request to the other node is served in under 2 s, because the node holds at
+    most ``--engine-sends-per-host`` of the transfer threads (without that bound its four
+    ranks' ``--engine-sends-per-session`` would take all of them)."""
+    threads = ("--engine-transfer-threads", "8", "--engine-sends-per-session", "2")
+    with trio.fail_after(90):
+        async with deployment(
+            workload,
+            ranks=0,
+            send_timeout=FROZEN_FAILS_WITHIN + 5,
+            extra_args=(*threads, "--engine-sends-per-host", "4"),
+        ) as d:
+            part = workload.bytes_per_image
+            async with AsyncExitStack() as stack:
+                node = [
+                    Rank(
+                        await stack.enter_async_context(
+                            open_receiver(8 * part, name=f"a{r}", host="127.0.0.2")
+                        ),
+                        part,
+                        part,
+                        dirty_seconds=FROZEN_FAILS_WITHIN,
+                    )
+                    for r in range(4)
+                ]
+                other = Rank(
+                    await stack.enter_async_context(
+                        open_receiver(8 * part, name="b0", host="127.0.0.3")
+                    ),
+                    part,
+                    part,
+                    dirty_seconds=FROZEN_FAILS_WITHIN,
+                )
+                await d.complete("warm-up", 4, [*node, other])
+                for rank in node:
+                    rank.receiver.freeze()
+                statuses: list[int] = []
+
+                async def stuck(i: int, rank: Rank) -> None:
+                    assert (await d.encode(f"stuck-{i}", i % 4, 1, rank)).status == 200
+                    statuses.append((await d.send(f"stuck-{i}", i % 4, rank, check=False)).status)
+
+                async with trio.open_nursery() as nursery:
+                    for i in range(12):
+                        nursery.start_soon(stuck, i, node[i % 4])
+                    await trio.sleep(1.0)  # their transfers hang in the server's threads
+                    await d.unrelated_request_is_served(other, within=2.0)
+                assert statuses == [502] * 12
+                for rank in node:
+                    rank.receiver.thaw()
 
 
 async def test_mooncake_stalls_every_transfer_while_a_frozen_peer_is_first_contacted() -> None:
@@ -298,8 +357,7 @@ async def test_a_killed_rank_fails_fast_and_its_request_ends_by_the_backstop(
             dead.receiver.kill()
             await dead.receiver.process.wait()
             failed = await d.send("killed-1", 1, dead, check=False)
-            # Never sent to before, it is probed first: its closed port answers -102 (socket).
-            assert (failed.status, failed.code, failed.shape_ok) == (502, -102, True)
+            assert (failed.status, failed.code, failed.shape_ok) == (502, -1, True)
             assert failed.seconds < 1.5
             for rank in healthy:
                 assert (await d.send("killed-1", 1, rank)).status == 200

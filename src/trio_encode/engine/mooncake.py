@@ -35,7 +35,7 @@ from pydantic import AfterValidator, ConfigDict
 from pydantic.dataclasses import dataclass as settings_dataclass
 
 from trio_encode.declare import setting
-from trio_encode.engine.base import TRANSFER_FAILED, EngineError
+from trio_encode.engine.base import TRANSFER_FAILED, EngineError, engine_code_meaning
 from trio_encode.engine.threads import EngineThreads, ThreadSettings, run_in_thread
 
 log = logging.getLogger(__name__)
@@ -477,8 +477,13 @@ class MooncakeEngine:
             )
             if code == 0:
                 return
+            # The send fails as a transfer to that peer would (-1); the probe's code says why.
             raise EngineError(
-                "transfer", int(code), session_id=session_id, detail="its probe failed"
+                "transfer",
+                TRANSFER_FAILED,
+                session_id=session_id,
+                detail=f"its first-contact probe failed with {code} "
+                f"({engine_code_meaning(int(code))}); nothing was sent",
             )
         raise EngineError(
             "transfer",

@@ -39,14 +39,14 @@ MARKER = 0xA5
 # -- the child ----------------------------------------------------------------------------------
 
 
-def _child(pool_bytes: int) -> None:
+def _child(pool_bytes: int, host: str) -> None:
     import numpy as np
     import xxhash
 
     from trio_encode.engine.mooncake import _load_mooncake_engine_class
 
     engine = _load_mooncake_engine_class("ERROR")()
-    code = engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+    code = engine.initialize(host, "P2PHANDSHAKE", "tcp", "")
     if code != 0:
         raise SystemExit(f"mooncake initialize failed with {code}")
     pool = np.zeros(pool_bytes, dtype=np.uint8)
@@ -56,7 +56,7 @@ def _child(pool_bytes: int) -> None:
         raise SystemExit(f"mooncake register_memory failed with {code}")
     out = sys.stdout
     hello = {
-        "session_id": f"127.0.0.1:{engine.get_rpc_port()}",
+        "session_id": f"{host}:{engine.get_rpc_port()}",
         "address": address,
         "nbytes": pool_bytes,
     }
@@ -184,11 +184,14 @@ class ReceiverProcess:
 
 
 @asynccontextmanager
-async def open_receiver(pool_bytes: int, name: str = "rank") -> AsyncIterator[ReceiverProcess]:
-    """Start a receiver process with a registered pool of ``pool_bytes``; killed on exit."""
+async def open_receiver(
+    pool_bytes: int, name: str = "rank", host: str = "127.0.0.1"
+) -> AsyncIterator[ReceiverProcess]:
+    """Start a receiver process with a registered pool of ``pool_bytes``; killed on exit.
+    ``host`` names its engine (another loopback address plays another node)."""
     env = {**os.environ, "MC_LOG_LEVEL": os.environ.get("MC_LOG_LEVEL", "ERROR")}
     process = await trio.lowlevel.open_process(
-        [sys.executable, "-m", "trio_encode.tools.soak.receiver", str(pool_bytes)],
+        [sys.executable, "-m", "trio_encode.tools.soak.receiver", str(pool_bytes), host],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         env=env,
@@ -217,4 +220,4 @@ async def open_receiver(pool_bytes: int, name: str = "rank") -> AsyncIterator[Re
 
 
 if __name__ == "__main__":
-    _child(int(sys.argv[1]))
+    _child(int(sys.argv[1]), sys.argv[2])
