@@ -42,6 +42,8 @@ myst_enable_extensions = ["colon_fence"]
 autodoc_mock_imports = ["mooncake", "transformers"]
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
+# A size setting shows as its alias, not as the validators and serializer it carries.
+autodoc_type_aliases = {"ByteSize": "trio_encode.sizes.ByteSize"}
 autodoc_default_options = {"members": True, "show-inheritance": True}
 
 html_theme = "furo"

@@ -39,8 +39,8 @@ async def test_errors_come_back_typed_with_status_message_and_req_id(
             await client.encode("c", [image_uri(b"x" * 8192)])
         assert (too_big.value.status, too_big.value.kind) == (413, "too_large")
 
-        encoded = await client.encode("c", [ITEM], receive_count=1, prefill_host="p0")
-        assert encoded.body["prefill_host"] == "p0"
+        encoded = await client.encode("c", [ITEM], receive_count=1, prefill_host="localhost")
+        assert encoded.body["prefill_host"] == "localhost"
         with pytest.raises(ReceiveCountConflict):
             await client.send("c", pools[0].session_id, pools[0].address, receive_count=2)
         for session_id, address in (

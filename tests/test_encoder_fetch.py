@@ -37,6 +37,8 @@ class WebServer:
     hang: set[str] = field(default_factory=set)
     port: int = 0
     requests: list[tuple[str, str]] = field(default_factory=list)  # (path, Host header)
+    heads: list[bytes] = field(default_factory=list)
+    """Each request's head (request line and headers), as sent."""
 
     def url(self, path: str, host: str = "127.0.0.1") -> str:
         return f"http://{host}:{self.port}{path}"
@@ -54,6 +56,7 @@ class WebServer:
             (line[5:].strip().decode() for line in lines if line.lower().startswith(b"host:")), ""
         )
         self.requests.append((path, host))
+        self.heads.append(data.partition(b"\r\n\r\n")[0])
         if path in self.hang:
             await trio.sleep_forever()
         status, headers, body = self.routes.get(path, (404, {}, b"not here"))
@@ -185,7 +188,7 @@ async def test_an_error_status_is_refused_with_the_status() -> None:
 
 async def test_the_encoder_fetches_urls_in_order_and_decodes_them_under_the_same_limits() -> None:
     """A request mixing a URL and an inline image; then a fetched image too large in pixels
-    is refused by the decoder exactly as an inline one would be."""
+    is refused from its header, as soon as it is fetched, exactly as an inline one would be."""
     red, blue = solid_image(8, 8, (255, 0, 0)), solid_image(8, 8, (0, 0, 255))
     settings = EncoderSettings(
         warmup=False,
@@ -205,9 +208,8 @@ async def test_the_encoder_fetches_urls_in_order_and_decodes_them_under_the_same
             rows = (await encoder.encode(images)).tensor
             assert torch.allclose(rows[0], torch.tensor([255.0, 0.0, 0.0]))
             assert torch.allclose(rows[-1], torch.tensor([0.0, 0.0, 255.0]))
-            huge = await encoder.load_items([web.url("/huge.png")])
-            with pytest.raises(InvalidInput, match="limit is 100 pixels"):
-                await encoder.encode(huge)
+            with pytest.raises(InvalidInput, match=r"mm_items\[0\]: .*limit is 100 pixels"):
+                await encoder.load_items([web.url("/huge.png")])
             with pytest.raises(InvalidInput, match=r"mm_items\[1\]: fetching .* got HTTP 404"):
                 await encoder.load_items([image_uri(blue), web.url("/nope.png")])
             nursery.cancel_scope.cancel()

@@ -96,7 +96,10 @@ async def test_a_full_arena_falls_back_to_per_request_registration(
             assert torch.equal(landed[req_id, r].read(*expected.shape, "float32"), expected)
     fallbacks = metric_value(text, "arena_fallbacks")
     assert fallbacks == len(requests)
-    assert metric_value(text, "registrations_total") == fallbacks
-    assert metric_value(text, "deregistrations_total") == fallbacks
+    # Each fallback's rows that lie outside the arena (sent as they lie, never concatenated):
+    # one or both of its two images.
+    registered = metric_value(text, "registrations_total")
+    assert fallbacks <= registered <= 2 * fallbacks
+    assert metric_value(text, "deregistrations_total") == registered
     assert metric_value(text, "arena_registrations") == 1
     assert metric_value(text, "arena_leased_bytes") == 0

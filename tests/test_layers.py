@@ -29,7 +29,7 @@ LAYERS: tuple[frozenset[str], ...] = tuple(
         "settings",  # every setting of `serve`, gathered from the layers that obey them
         "service",  # the service nursery: scopes, pulls, the encoder and the engine together
         "scopes",  # the live scopes, by req_id
-        "scope arrivals completion",  # a request's life; waiting pulls; SGLang's message
+        "scope arrivals completion receivers",  # a request's life; pulls; completion; receivers
         "ledger",  # at most one live registration for any byte
         "client",  # the prefill side's client (beside the server, never importing it)
         "encoder",  # images -> embeddings, the cache, the store
@@ -37,7 +37,7 @@ LAYERS: tuple[frozenset[str], ...] = tuple(
         "arena",
         "errors",
         "engine",  # the transfer engine interface and Mooncake
-        "request_types observer declare sizes __version__",
+        "request_types observer declare sizes addresses __version__",
     )
 )
 """Highest first. A unit is a top-level module or subpackage of ``trio_encode``."""

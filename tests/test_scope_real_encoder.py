@@ -24,6 +24,7 @@ import trio.testing
 
 from support.models import fixed
 from trio_encode.encoder import EncoderSettings, ImageEncoder, decode_image, load_backend
+from trio_encode.encoder.images import load_item
 from trio_encode.errors import EncodeFailed, RequestReleased, ScopeExpired
 from trio_encode.request_types import Receiver
 from trio_encode.service import EncodeService, ServiceSettings
@@ -80,7 +81,7 @@ class Harness:
 
     def expected(self, uri: str) -> bytes:
         """The embedding of one image computed directly by the model (no batching)."""
-        data = self.encoder._load_items([uri])[0]
+        data = load_item(uri, max_bytes=TINY.max_image_bytes)
         backend = self.encoder.backend
         pixels = decode_image(data, backend.preprocess, max_pixels=TINY.max_image_pixels)
         with torch.inference_mode():

@@ -1,8 +1,9 @@
 """The embedding a request scope ships, and the facts about its memory.
 
-Two shapes: :class:`Embedding`, one contiguous tensor (registered per request when sent), and
-:class:`ArenaEmbedding`, the request's images' segments of the registered arena, sent as they
-lie (no registration, no concatenation).
+Three shapes: :class:`Embedding`, one contiguous tensor (registered per request when sent);
+:class:`RowsEmbedding`, a request's images' tensors in order (each registered once, however
+often it repeats, and sent as it lies); and :class:`ArenaEmbedding`, the request's images'
+segments of the registered arena, sent as they lie (no registration, no concatenation).
 """
 
 from __future__ import annotations
@@ -96,6 +97,84 @@ class Embedding:
 
     def release(self) -> None:
         """Nothing to give back: dropping the last reference frees the tensor."""
+
+
+class RowsEmbedding:
+    """A request's images' ``(rows, dim)`` tensors, in order, sent one after another as they
+    lie: never concatenated, so a request naming one cached image 64 times costs 64
+    ``(address, length)`` pairs, not 64 copies of its rows. Each distinct tensor is registered
+    once (a row inside the registered arena is covered by the arena's registration)."""
+
+    def __init__(
+        self,
+        rows: Sequence[torch.Tensor],
+        grids: Sequence[Grid | None] = (),
+        *,
+        leases: Sequence[Segment] = (),
+    ) -> None:
+        if not rows:
+            raise ValueError("an embedding needs at least one row tensor")
+        self._parts = [Embedding(row) for row in rows]  # each checked: 2-D, contiguous, CPU
+        if len({(part.dim, part.dtype) for part in self._parts}) != 1:
+            raise ValueError("every tensor must have the same dim and dtype")
+        self.grids = check_grids(grids)
+        """Per image, the grid its model used (None for a fixed-grid model)."""
+        self._leases = list(leases)
+        """Arena segments some rows lie in, one lease each, given back by :meth:`release`."""
+
+    @property
+    def address(self) -> int:
+        return self._parts[0].address
+
+    @property
+    def nbytes(self) -> int:
+        return sum(part.nbytes for part in self._parts)
+
+    @property
+    def rows(self) -> int:
+        return sum(part.rows for part in self._parts)
+
+    @property
+    def dim(self) -> int:
+        return self._parts[0].dim
+
+    @property
+    def dtype(self) -> str:
+        return self._parts[0].dtype
+
+    @property
+    def image_lens(self) -> tuple[int, ...]:
+        """Rows of each image, in order."""
+        return tuple(part.rows for part in self._parts)
+
+    @property
+    def segments(self) -> list[tuple[int, int]]:
+        return [(part.address, part.nbytes) for part in self._parts]
+
+    @cached_property
+    def checksum(self) -> str:
+        """The checksum of the tensors' bytes one after another, as a receiver holds them
+        (reads every byte: call it off the event loop first)."""
+        digest = xxhash.xxh3_64()
+        for part in self._parts:
+            digest.update(part.tensor.view(torch.uint8).numpy().data)
+        return f"{CHECKSUM_ALGORITHM}:{digest.hexdigest()}"
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The rows as one contiguous tensor (a copy)."""
+        return torch.cat([part.tensor for part in self._parts], dim=0)
+
+    def copy(self) -> Embedding:
+        """The same bytes in one fresh tensor."""
+        return Embedding(self.tensor, self.grids, self.image_lens)
+
+    def release(self) -> None:
+        """Give back the arena leases of rows that lie in the arena, once (on the event loop,
+        after every transfer that reads them); other rows are freed with the last reference."""
+        leases, self._leases = self._leases, []
+        for segment in leases:
+            segment.arena.release(segment)
 
 
 class ArenaEmbedding:

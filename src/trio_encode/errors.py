@@ -106,6 +106,21 @@ class HeadersTooLarge(RequestRejected):
     kind = "headers_too_large"
 
 
+class ReceiverNotAllowed(RequestError):
+    """A ``/send`` names a receiver host outside the server's ``allowed_receivers`` (403)."""
+
+    status = 403
+    kind = "receiver_not_allowed"
+
+
+class ReceiverHostMismatch(RequestError):
+    """A ``/send`` names a receiver on another host than the ``prefill_host`` its request's
+    ``/encode`` named (403)."""
+
+    status = 403
+    kind = "receiver_host_mismatch"
+
+
 class UnknownRequest(RequestError):
     """A ``/send`` for a ``req_id`` that no ``/encode`` named here (404)."""
 
@@ -154,8 +169,16 @@ class EngineFailed(RequestError):
 
     @classmethod
     def from_engine_error(cls, error: EngineError, *, req_id: str | None) -> EngineFailed:
-        """The answer for an engine failure: its message, call and code."""
-        return cls(str(error), req_id=req_id, engine_code=error.code, engine_call=error.call)
+        """The answer for an engine failure: its call and code, the receiver it wrote to and
+        the length. Never a memory address nor this server's own session id: those are for the
+        server's log (where the full error goes), not for whoever sent the request."""
+        parts = [f"transfer engine {error.call} failed with code {error.code}"]
+        if error.call == "transfer" and error.session_id is not None:
+            parts.append(f"receiver {error.session_id}")
+        if error.length is not None:
+            parts.append(f"{error.length} bytes")
+        message = ", ".join(parts) + " (details in the server's log)"
+        return cls(message, req_id=req_id, engine_code=error.code, engine_call=error.call)
 
     @property
     def engine_meaning(self) -> str | None:
@@ -172,7 +195,8 @@ class CompletionFailed(RequestError):
 
 
 class Overloaded(RequestError):
-    """The encoder queue is full; retry shortly (503)."""
+    """The server is at a capacity limit (the encoder queue, live requests, bytes held, a
+    client's sends in flight); retry shortly (503)."""
 
     status = 503
     kind = "overloaded"
@@ -225,6 +249,8 @@ ERRORS: tuple[type[RequestError], ...] = (
     RequestTimedOut,
     UnsupportedMediaType,
     HeadersTooLarge,
+    ReceiverNotAllowed,
+    ReceiverHostMismatch,
     UnknownRequest,
     ReceiveCountConflict,
     RequestReleased,

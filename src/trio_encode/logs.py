@@ -64,8 +64,11 @@ def _iso8601(created: float) -> str:
 
 
 def _quote(value: object) -> str:
+    """``value`` bare when it is plain printable text, else as a JSON string: control
+    characters (CR, ESC, NUL), line and paragraph separators and non-ASCII all escaped, so a
+    client's ``req_id`` can neither split a line nor send a terminal escape."""
     text = str(value)
-    if text and not any(c in text for c in ' "=\n\t'):
+    if text and text.isascii() and text.isprintable() and not any(c in text for c in ' "='):
         return text
     return json.dumps(text)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+import weakref
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -31,10 +32,13 @@ from trio_encode.errors import (
     CompletionFailed,
     EncodeNotArrived,
     InvalidInput,
+    Overloaded,
+    ReceiverHostMismatch,
     RequestError,
 )
 from trio_encode.ledger import Lease, RegistrationLedger
 from trio_encode.observer import LifecycleObserver, NullObserver
+from trio_encode.receivers import receiver_host, same_host
 from trio_encode.request_types import (
     EmbeddingMemory,
     EmbeddingShape,
@@ -44,6 +48,7 @@ from trio_encode.request_types import (
 )
 from trio_encode.scope import Failure, RequestScope
 from trio_encode.scopes import ScopeRegistry
+from trio_encode.sizes import ByteSize, GiB
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +117,27 @@ class ServiceSettings:
         help="Seconds a metadata pull (/scheduler_receive_meta_data) for a req_id that no "
         "/encode has named yet waits for one (then 504); once named, the request's own "
         "deadline bounds the wait.",
+    )
+    max_live_scopes: int = setting(
+        4096,
+        group="server",
+        gt=0,
+        help="Requests alive at once (encoded, not yet sent to every receiver); a new /encode "
+        "past it gets 503, so clients that never /send cannot pile scopes up to the backstop.",
+    )
+    max_held_bytes: ByteSize = setting(
+        2 * GiB,
+        group="server",
+        gt=0,
+        help="Embedding bytes the live requests may hold together; a new /encode past it gets "
+        "503 until sends complete.",
+    )
+    receivers_match_prefill_host: bool = setting(
+        True,
+        group="server",
+        help="When an /encode names prefill_host (SGLang's does), its /send calls must name "
+        "receivers on that host (403 otherwise); turn off for tensor-parallel ranks spread "
+        "over several hosts.",
     )
     completion_messages: bool = setting(
         True,
@@ -209,6 +235,10 @@ class EncodeService:
         self._grace = trio.CancelScope(deadline=math.inf)
         self._shutdown_done = trio.Event()
         self.arrivals = Arrivals()
+        self._prefill_hosts: weakref.WeakKeyDictionary[RequestScope, str] = (
+            weakref.WeakKeyDictionary()
+        )
+        """``prefill_host`` of each live request whose /encode named one."""
         self._nursery = nursery
         self.completions = (
             CompletionPusher(timeout=settings.completion_timeout, observer=observer)
@@ -277,6 +307,27 @@ class EncodeService:
         except EngineError as exc:
             log.error("deregistering the arena failed: %s", exc)
 
+    @property
+    def held_bytes(self) -> int:
+        """Embedding bytes the live scopes hold (those still encoding count when encoded)."""
+        return sum(scope.shape.nbytes for scope in self.registry.scopes() if scope.shape)
+
+    def _admit(self, req_id: str) -> None:
+        """Refuse a new request at a capacity limit (503): before any item is loaded."""
+        limits = self.settings
+        if len(self.registry) >= limits.max_live_scopes:
+            raise Overloaded(
+                f"{len(self.registry)} requests are alive, the most this server holds "
+                "(max_live_scopes); retry when some have been sent",
+                req_id=req_id,
+            )
+        if self.held_bytes >= limits.max_held_bytes:
+            raise Overloaded(
+                f"live requests hold {self.held_bytes} embedding bytes, the most this server "
+                "holds (max_held_bytes); retry when some have been sent",
+                req_id=req_id,
+            )
+
     async def encode(
         self,
         req_id: str,
@@ -284,17 +335,20 @@ class EncodeService:
         *,
         receive_count: int | None,
         part: Part | None = None,
+        prefill_host: str | None = None,
     ) -> EncodeReport:
         """Run the encoder once for ``req_id``; siblings share the run and its answer.
 
         ``part``: where the request sits among its prefill request's parts, and the prefill
-        ranks to tell if the encode fails.
+        ranks to tell if the encode fails. ``prefill_host``: the host every receiver of the
+        request must be on (when ``receivers_match_prefill_host``).
         """
         part = part or Part()
         scope = self.registry.find_live(req_id)
         if scope is None:
             self.registry.refuse_if_closed(req_id)
             self._raise_if_family_failed(req_id, part)
+            self._admit(req_id)
             # Check the input before a scope exists: bad input must leave nothing behind.
             try:
                 images = await self.encoder.load_items(mm_items)
@@ -312,6 +366,8 @@ class EncodeService:
             scope = await self.registry.open(
                 req_id, receive_count=receive_count, encode=run_encoder
             )
+            if prefill_host is not None and self.settings.receivers_match_prefill_host:
+                self._prefill_hosts[scope] = prefill_host
             if req_id not in self._live:
                 self._failures.pop(req_id, None)  # a corrected retry of a bad request
                 live = self._live[req_id] = _Live(part, set(part.endpoints))
@@ -324,6 +380,15 @@ class EncodeService:
             known.endpoints.update(part.endpoints)
         shape = await scope.wait_encoded()
         return EncodeReport(shape, scope.receive_count)
+
+    def _check_prefill_host(self, scope: RequestScope, receiver: Receiver) -> None:
+        prefill_host = self._prefill_hosts.get(scope)
+        host = receiver_host(receiver.session_id)
+        if prefill_host is not None and not same_host(host, prefill_host):
+            raise ReceiverHostMismatch(
+                f"receiver host {host!r} is not this request's prefill_host {prefill_host!r}",
+                req_id=scope.req_id,
+            )
 
     async def _follow(self, scope: RequestScope, live: _Live) -> None:
         """Beside each scope: when its encode fails, tell every prefill rank named so far and
@@ -457,6 +522,10 @@ class EncodeService:
         repeat (a receiver already served, whose answer was lost) moves nothing and pushes
         nothing: a second message for a part fails SGLang's request as a duplicate.
         A send for a request that failed pushes the failure to ``notify`` too.
+
+        The receiver's host must be the ``prefill_host`` its ``/encode`` named, if it named one
+        (and ``receivers_match_prefill_host`` is on); which hosts may receive at all is the HTTP
+        layer's check (``allowed_receivers``), where session ids from outside come in.
         """
         repeat = self.registry.repeat_send(req_id, receiver)
         if repeat is not None:
@@ -468,6 +537,7 @@ class EncodeService:
             if scope is None:
                 self._raise_if_failed(req_id)
                 scope = self.registry.require_live(req_id)
+            self._check_prefill_host(scope, receiver)
             scope.check_receive_count(receive_count)
             report = await scope.send(receiver)
         except RequestError as exc:

@@ -37,11 +37,12 @@ from pydantic_settings import (
     SettingsError,
 )
 
-from trio_encode.declare import Group, setting
+from trio_encode.declare import Group, comma_separated, setting
 from trio_encode.encoder.settings import EncoderSettings
 from trio_encode.engine.mooncake import MooncakeSettings, default_progress_timeout
+from trio_encode.receivers import ReceiverPolicy
 from trio_encode.service import ServiceSettings
-from trio_encode.sizes import ByteSize, MiB
+from trio_encode.sizes import ByteSize, KiB, MiB
 
 ENV_PREFIX = "TRIO_ENCODE_"
 
@@ -57,6 +58,15 @@ def _not_empty(token: str | None) -> str | None:
         raise ValueError("must not be empty (leave it unset to disable auth)")
     return token
 
+
+def _receiver_entries(entries: tuple[str, ...]) -> tuple[str, ...]:
+    ReceiverPolicy.build(entries)  # raises ValueError naming a malformed network
+    return entries
+
+
+ReceiverEntries = Annotated[
+    tuple[str, ...], BeforeValidator(comma_separated), AfterValidator(_receiver_entries)
+]
 
 SECTIONS: dict[str, tuple[type[Any], str]] = {
     "service": (ServiceSettings, ""),
@@ -95,13 +105,41 @@ class ServerSettings(BaseSettings):
     max_body_bytes: ByteSize = setting(
         64 * MiB, group="server", gt=0, help="Larger request bodies are refused with 413."
     )
+    max_control_body_bytes: ByteSize = setting(
+        64 * KiB,
+        group="server",
+        gt=0,
+        help="Bodies of every route but /encode (/send, pulls: a few hundred bytes); larger "
+        "ones are refused with 413 as they arrive.",
+    )
+    max_sends_per_client: int = setting(
+        256,
+        group="server",
+        gt=0,
+        help="/send calls one client address may have in flight; more get 503, so one client "
+        "cannot hold every transfer thread.",
+    )
+    allowed_receivers: ReceiverEntries = setting(
+        (),
+        group="server",
+        help="Hosts /send may write to, besides loopback (always allowed): CIDR networks, "
+        "addresses or host names (matched as written, not resolved), comma-separated; '*' "
+        "allows any host (logged as a warning at start). A receiver elsewhere gets 403.",
+    )
     token: Annotated[str | None, AfterValidator(_not_empty)] = setting(
         None,
         group="server",
         flags=("--api-key",),
         repr=False,
-        help="Require 'Authorization: Bearer TOKEN' on /encode and /send (/health and "
-        "/metrics stay open).",
+        help="Require 'Authorization: Bearer TOKEN' on /encode, /send and pulls (/health and "
+        "/metrics stay open). On a command line it shows in `ps`: prefer TRIO_ENCODE_TOKEN "
+        "or token_file.",
+    )
+    token_file: Path | None = setting(
+        None,
+        group="server",
+        help="Read the token from this file (its first line), so it appears neither on the "
+        "command line nor in the environment; not with token.",
     )
     log_level: LogLevel = setting("INFO", group="logging", help="Least severe log lines shown.")
     log_format: LogFormat = setting(
@@ -133,6 +171,26 @@ class ServerSettings(BaseSettings):
     @classmethod
     def _nest(cls, data: Any) -> Any:
         return nest(data) if isinstance(data, Mapping) else data
+
+    @property
+    def receiver_policy(self) -> ReceiverPolicy:
+        """Where /send may write (see :mod:`trio_encode.receivers`)."""
+        return ReceiverPolicy.build(self.allowed_receivers)
+
+    @model_validator(mode="after")
+    def _token_from_file(self) -> ServerSettings:
+        if self.token_file is None:
+            return self
+        if self.token is not None:
+            raise ValueError("give token or token_file, not both")
+        try:
+            token = self.token_file.read_text().strip().splitlines()
+        except OSError as error:
+            raise ValueError(f"token_file {self.token_file}: {error.strerror}") from None
+        if not token or not token[0].strip():
+            raise ValueError(f"token_file {self.token_file} is empty")
+        object.__setattr__(self, "token", token[0].strip())  # frozen: set once, here
+        return self
 
     @model_validator(mode="after")
     def _progress_timeout(self) -> ServerSettings:

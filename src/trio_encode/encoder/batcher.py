@@ -167,7 +167,13 @@ class Batcher:
         thread while their places in the queue are held, so concurrent admissions count them."""
         self._reserved += len(indices)
         try:
-            return await self.run_decode(partial(self._decode, items, indices))
+            # One image per thread call: the decode threads' limiter is first come, first
+            # served, so concurrent requests take turns image by image and a request of many
+            # large images cannot hold the threads while another's single image waits.
+            pixels = []
+            for index in indices:
+                pixels += await self.run_decode(partial(self._decode, items, [index]))
+            return pixels
         finally:
             self._reserved -= len(indices)
 

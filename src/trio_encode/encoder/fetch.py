@@ -11,7 +11,11 @@ server that fetched it blindly would be a request-forgery proxy into that networ
   goes to the address that was checked (the name is resolved once, so a second, different DNS
   answer cannot slip past the check), with the name kept for ``Host`` and TLS;
 - redirects are followed by hand, each hop checked the same way, up to a limit;
-- the body is refused past the image byte limit, and the whole fetch has a time limit;
+- NAT64, 6to4 and IPv4-compatible IPv6 forms are refused (a gateway would turn them into a
+  connection to an IPv4 host no rule saw); IPv4-mapped ones are checked as the IPv4 address;
+- the body is asked for and accepted only uncompressed (``Accept-Encoding: identity``; any
+  ``Content-Encoding`` is refused) and counted as it arrives off the wire, so a small
+  compressed answer can never inflate past the byte limit; the whole fetch has a time limit;
 - proxies from the environment are ignored (a proxy would connect on our behalf, unchecked).
 
 Every refusal and failure is an :class:`InvalidInput` that names the URL and the reason.
@@ -27,10 +31,9 @@ from dataclasses import dataclass
 import httpx
 import trio
 
+from trio_encode.addresses import IPAddress, IPNetwork, translates_to_ipv4, unwrap
+from trio_encode.encoder.images import ImageTooBig
 from trio_encode.errors import InvalidInput
-
-IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
-IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
 _SCHEMES = ("http://", "https://")
@@ -78,10 +81,11 @@ class FetchPolicy:
         )
 
     def address_allowed(self, address: IPAddress) -> bool:
-        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-            address = address.ipv4_mapped
+        address = unwrap(address)
         if any(address in network for network in self.private_networks):
             return True
+        if translates_to_ipv4(address):
+            return False
         return address.is_global and not address.is_multicast
 
 
@@ -91,23 +95,27 @@ class RemoteFetcher:
     def __init__(self, policy: FetchPolicy) -> None:
         self.policy = policy
 
-    async def fetch(self, url: str) -> bytes:
-        """The body of ``url`` (following allowed redirects), or :class:`InvalidInput`."""
+    async def fetch(self, url: str, *, max_bytes: int | None = None) -> bytes:
+        """The body of ``url`` (following allowed redirects), or :class:`InvalidInput`;
+        at most ``max_bytes`` (default: the policy's) are read."""
         if not self.policy.enabled:
             raise InvalidInput(
                 f"http(s) URLs are not fetched by this server ({_short(url)}); send the image "
                 "inline as a data: URI, or start the server with --remote-fetch"
             )
+        limit = (
+            self.policy.max_bytes if max_bytes is None else min(max_bytes, self.policy.max_bytes)
+        )
         with trio.move_on_after(self.policy.timeout) as timer:
-            return await self._follow(url)
+            return await self._follow(url, limit)
         assert timer.cancelled_caught
         raise InvalidInput(f"fetching {_short(url)} took longer than {self.policy.timeout:g} s")
 
-    async def _follow(self, url: str) -> bytes:
+    async def _follow(self, url: str, limit: int) -> bytes:
         current = url
         for _hop in range(self.policy.max_redirects + 1):
             target = await self._checked(current)
-            body, location = await self._get(current, target)
+            body, location = await self._get(current, target, limit)
             if location is None:
                 return body
             current = str(httpx.URL(current).join(location))
@@ -135,11 +143,15 @@ class RemoteFetcher:
             )
         return addresses[0]
 
-    async def _get(self, url: str, address: IPAddress) -> tuple[bytes, str | None]:
+    async def _get(self, url: str, address: IPAddress, limit: int) -> tuple[bytes, str | None]:
         """One request to ``address``: the body, or the ``Location`` of a redirect."""
         parsed = httpx.URL(url)
         pinned = parsed.copy_with(host=str(address))
-        headers = {"Host": parsed.netloc.decode("ascii"), "Accept": "image/*"}
+        headers = {
+            "Host": parsed.netloc.decode("ascii"),
+            "Accept": "image/*",
+            "Accept-Encoding": "identity",
+        }
         extensions = {"sni_hostname": parsed.host}
         # A fresh client per request: a pooled TLS connection checked for one name must not
         # serve another name that happens to resolve to the same address.
@@ -155,23 +167,31 @@ class RemoteFetcher:
                     return b"", location
                 if response.status_code != 200:
                     raise InvalidInput(f"fetching {_short(url)} got HTTP {response.status_code}")
-                return await self._read(url, response), None
+                return await _read(url, response, limit), None
         except httpx.HTTPError as exc:
             raise InvalidInput(f"cannot fetch {_short(url)}: {exc or type(exc).__name__}") from None
 
-    async def _read(self, url: str, response: httpx.Response) -> bytes:
-        limit = self.policy.max_bytes
-        declared = response.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
-            raise InvalidInput(_too_big(url, f"{declared} bytes", limit))
-        body = bytearray()
-        async for chunk in response.aiter_bytes():
-            body += chunk
-            if len(body) > limit:
-                raise InvalidInput(_too_big(url, f"more than {limit} bytes", limit))
-        if not body:
-            raise InvalidInput(f"fetching {_short(url)} returned no bytes")
-        return bytes(body)
+
+async def _read(url: str, response: httpx.Response, limit: int) -> bytes:
+    """The body as sent: never decompressed (any ``Content-Encoding`` but identity is
+    refused before a byte is read), counted raw, refused past ``limit``."""
+    encoding = response.headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        raise InvalidInput(
+            f"{_short(url)} answered with Content-Encoding {encoding!r}; images are fetched "
+            "only uncompressed (Accept-Encoding: identity)"
+        )
+    declared = response.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise ImageTooBig(_too_big(url, f"{declared} bytes", limit))
+    body = bytearray()
+    async for chunk in response.aiter_raw():
+        body += chunk
+        if len(body) > limit:
+            raise ImageTooBig(_too_big(url, f"more than {limit} bytes", limit))
+    if not body:
+        raise InvalidInput(f"fetching {_short(url)} returned no bytes")
+    return bytes(body)
 
 
 async def _resolve(host: str, port: int) -> list[IPAddress]:
@@ -190,7 +210,7 @@ async def _resolve(host: str, port: int) -> list[IPAddress]:
 
 
 def _too_big(url: str, size: str, limit: int) -> str:
-    return f"the image at {_short(url)} is {size}; the limit is {limit} bytes per image"
+    return f"the image at {_short(url)} is {size}; the limit is {limit} bytes"
 
 
 def _short(url: str) -> str:

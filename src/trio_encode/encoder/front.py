@@ -30,7 +30,13 @@ import torch
 import trio
 
 from trio_encode.arena import Arena, Segment
-from trio_encode.embedding import DTYPE_NAMES, TORCH_DTYPES, ArenaEmbedding, Embedding
+from trio_encode.embedding import (
+    DTYPE_NAMES,
+    TORCH_DTYPES,
+    ArenaEmbedding,
+    Embedding,
+    RowsEmbedding,
+)
 from trio_encode.encoder.backend import (
     FixedShape,
     Prepared,
@@ -42,7 +48,7 @@ from trio_encode.encoder.backend import (
 from trio_encode.encoder.batcher import Batcher, Job, ThreadRunner, release_all
 from trio_encode.encoder.cache import CacheKey, EmbeddingCache, content_key
 from trio_encode.encoder.fetch import FetchPolicy, RemoteFetcher, is_remote
-from trio_encode.encoder.images import load_item
+from trio_encode.encoder.images import ImageTooBig, image_pixels, load_item
 from trio_encode.encoder.observer import EncoderObserver, NullEncoderObserver
 from trio_encode.encoder.settings import EncoderSettings
 from trio_encode.encoder.store import EmbeddingStore, store_key
@@ -234,38 +240,58 @@ class ImageEncoder:
     async def load_items(self, items: Sequence[str]) -> list[bytes]:
         """The encoded bytes of each ``mm_items`` entry, without decoding pixels. ``http(s)``
         items are fetched (under the fetch rules), the rest loaded off the event loop (base64
-        of MBs, file reads). Raises :class:`InvalidInput` naming the entry."""
-        loaded: dict[int, bytes] = {}
-        for index, item in enumerate(items):
-            if is_remote(item):
-                try:
-                    loaded[index] = await self._fetcher.fetch(item)
-                except InvalidInput as exc:
-                    raise InvalidInput(f"mm_items[{index}]: {exc.message}") from None
-        local = [index for index in range(len(items)) if index not in loaded]
-        read = await self.batcher.run_decode(
-            partial(self._load_items, [items[index] for index in local], local)
-        )
-        loaded |= dict(zip(local, read, strict=True))
-        return [loaded[index] for index in range(len(items))]
+        of MBs, file reads). Raises :class:`InvalidInput` naming the entry.
 
-    def _load_items(self, items: list[str], indices: list[int] | None = None) -> list[bytes]:
-        """Load local items; ``indices`` are their places in ``mm_items``, for messages."""
-        loaded = []
-        for index, item in zip(indices or range(len(items)), items, strict=True):
+        Every per-request limit is checked before the work it bounds: the image count before
+        anything is loaded; the bytes as each item is read or fetched (an item only gets what
+        is left of ``max_request_bytes``); the pixels from each header, before any decode.
+        An entry repeated in one request is loaded once."""
+        limits = self.settings
+        if len(items) > limits.queue_size:
+            raise InvalidInput(
+                f"{len(items)} images in one request; this server accepts at most "
+                f"{limits.queue_size}"
+            )
+        first: dict[str, int] = {}
+        for index, item in enumerate(items):
+            first.setdefault(item, index)
+        loaded: dict[str, bytes] = {}
+        bytes_left, pixels = limits.max_request_bytes, 0
+        for item, index in first.items():
+            max_bytes = min(limits.max_image_bytes, bytes_left)
             try:
-                loaded.append(
-                    load_item(
-                        item,
-                        max_bytes=self.settings.max_image_bytes,
-                        media_dir=self.settings.media_dir,
+                if is_remote(item):
+                    data = await self._fetcher.fetch(item, max_bytes=max_bytes)
+                    pixels += await self.batcher.run_decode(partial(self._pixels, data))
+                else:
+                    data, more = await self.batcher.run_decode(
+                        partial(self._load_local, item, max_bytes)
                     )
-                )
+                    pixels += more
+            except ImageTooBig as exc:
+                if max_bytes < limits.max_image_bytes:  # the request's budget ran out first
+                    raise InvalidInput(_request_too_big(index, limits.max_request_bytes)) from None
+                raise InvalidInput(f"mm_items[{index}]: {exc.message}") from None
             except InvalidInput as exc:
                 raise InvalidInput(f"mm_items[{index}]: {exc.message}") from None
-        return loaded
+            if pixels > limits.max_request_pixels:
+                raise InvalidInput(
+                    f"mm_items[{index}]: the request's images have more than "
+                    f"{limits.max_request_pixels} pixels together (max_request_pixels)"
+                )
+            bytes_left -= len(data)
+            loaded[item] = data
+        return [loaded[item] for item in items]
 
-    async def encode(self, items: Sequence[bytes]) -> Embedding | ArenaEmbedding:
+    def _load_local(self, item: str, max_bytes: int) -> tuple[bytes, int]:
+        """In a worker thread: a local item's bytes and its pixel count (from its header)."""
+        data = load_item(item, max_bytes=max_bytes, media_dir=self.settings.media_dir)
+        return data, self._pixels(data)
+
+    def _pixels(self, data: bytes) -> int:
+        return image_pixels(data, max_pixels=self.settings.max_image_pixels)
+
+    async def encode(self, items: Sequence[bytes]) -> Embedding | RowsEmbedding | ArenaEmbedding:
         """The embedding of a request's images: ``(images * tokens, hidden)`` rows in order.
 
         Raises :class:`InvalidInput` (an image cannot be decoded), :class:`Overloaded` (the
@@ -315,14 +341,16 @@ class ImageEncoder:
             rows = [result for result in results if result is not None]
             if self._arena is not None and all(segment is not None for segment in segments):
                 parts = [(seg, row) for seg, row in zip(segments, rows, strict=True) if seg]
-                embedding: Embedding | ArenaEmbedding = await self.batcher.run_decode(
+                embedding = await self.batcher.run_decode(
                     partial(_checksummed, ArenaEmbedding(parts, grids))
                 )
                 handed_over = True  # its leases are the embedding's now
                 return embedding
             if self._arena is not None:
                 self._arena.fallbacks += 1
-            return await self.batcher.run_decode(partial(_assemble, rows, grids))
+            assembled = await self.batcher.run_decode(partial(_assemble, rows, grids, segments))
+            handed_over = True  # the arena leases of the rows that lie there are its now
+            return assembled
         finally:
             if not handed_over:
                 for segment in segments:
@@ -517,17 +545,29 @@ def _grid(tag: object) -> Grid | None:
     return tuple(int(v) for v in tag)
 
 
-def _assemble(rows: list[torch.Tensor], grids: list[Grid | None]) -> Embedding:
-    """In a worker thread: the request's rows as one embedding, its checksum computed (it
-    reads every byte, so not on the event loop)."""
-    lens = tuple(int(row.shape[0]) for row in rows)
-    if len(rows) == 1:
-        embedding = Embedding(rows[0], tuple(grids), lens)
+def _assemble(
+    rows: list[torch.Tensor], grids: Sequence[Grid | None], segments: Sequence[Segment | None]
+) -> Embedding | RowsEmbedding:
+    """In a worker thread: the request's rows as one embedding, never concatenated (each row
+    is sent as it lies, so a request naming one cached image many times copies nothing), its
+    checksum computed (it reads every byte, so not on the event loop). Rows that lie in arena
+    segments keep their leases in the embedding until it is released."""
+    held = [segment for segment in segments if segment is not None]
+    if len(rows) == 1 and not held:
+        embedding: Embedding | RowsEmbedding = Embedding(
+            rows[0], tuple(grids), (int(rows[0].shape[0]),)
+        )
     else:
-        with torch.inference_mode():
-            embedding = Embedding(torch.cat(rows, dim=0), tuple(grids), lens)
+        embedding = RowsEmbedding(rows, grids, leases=held)
     embedding.checksum  # noqa: B018 - computed here, remembered by the embedding
     return embedding
+
+
+def _request_too_big(index: int, limit: int) -> str:
+    return (
+        f"mm_items[{index}]: the request's images are more than {limit} bytes together "
+        "(max_request_bytes)"
+    )
 
 
 def arena_for(settings: EncoderSettings) -> Arena | None:

@@ -36,6 +36,11 @@ _FORMATS = tuple(dict.fromkeys(_DATA_URI_TYPES.values()))
 _FORMAT_NAMES = "PNG, JPEG, WebP, GIF or BMP"
 
 
+class ImageTooBig(InvalidInput):
+    """An image is larger than the bytes it may have (its own limit, or what is left of its
+    request's); the caller says which limit that was."""
+
+
 @dataclass(frozen=True)
 class Preprocess:
     """How a model wants its pixels: square side, per-channel mean and std, and whether to
@@ -81,36 +86,43 @@ def _from_data_uri(item: str, max_bytes: int) -> bytes:
         raise InvalidInput("image data URIs must be base64-encoded (data:image/png;base64,...)")
     # Refuse before decoding: base64 grows data by 4/3, so this bounds the decoded size.
     if len(payload) // 4 * 3 > max_bytes + 3:
-        raise InvalidInput(_too_big(len(payload) // 4 * 3, max_bytes))
+        raise ImageTooBig(_too_big(len(payload) // 4 * 3, max_bytes))
     try:
         data = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as exc:
         raise InvalidInput(f"the image data is not valid base64: {exc}") from None
     if len(data) > max_bytes:
-        raise InvalidInput(_too_big(len(data), max_bytes))
+        raise ImageTooBig(_too_big(len(data), max_bytes))
     if not data:
         raise InvalidInput("the image data URI is empty")
     return data
 
 
 def _from_media_dir(item: str, media_dir: Path, max_bytes: int) -> bytes:
+    # Missing, outside the directory, unreadable or not a file: one message for all, so a
+    # client cannot learn which paths exist on the host (``/etc/shadow`` versus a typo).
+    unusable = InvalidInput(
+        f"no readable image file {item!r} in the media directory (paths are relative to it)"
+    )
+    if Path(item).suffix.lower() not in _FILE_SUFFIXES:  # before the disk is looked at
+        suffixes = ", ".join(sorted(_FILE_SUFFIXES))
+        raise InvalidInput(f"image file {item!r} must end in one of {suffixes}")
     root = media_dir.resolve()
     try:
         path = (root / item.removeprefix("file://")).resolve(strict=True)
     except (OSError, RuntimeError, ValueError):
-        raise InvalidInput(f"no such image file in the media directory: {item!r}") from None
-    if not path.is_relative_to(root):
-        raise InvalidInput(f"image path {item!r} lies outside the media directory")
-    if path.suffix.lower() not in _FILE_SUFFIXES:
-        suffixes = ", ".join(sorted(_FILE_SUFFIXES))
-        raise InvalidInput(f"image file {item!r} must end in one of {suffixes}")
+        raise unusable from None
+    if not path.is_relative_to(root) or not path.is_file():
+        raise unusable
+    if path.suffix.lower() not in _FILE_SUFFIXES:  # a link inside to a file of another kind
+        raise unusable
     try:
         with path.open("rb") as file:
             data = file.read(max_bytes + 1)
-    except OSError as exc:
-        raise InvalidInput(f"cannot read image file {item!r}: {exc.strerror}") from None
+    except OSError:
+        raise unusable from None
     if len(data) > max_bytes:
-        raise InvalidInput(_too_big(len(data), max_bytes, at_least=True))
+        raise ImageTooBig(_too_big(len(data), max_bytes, at_least=True))
     return data
 
 
@@ -134,10 +146,8 @@ def decode_image(data: bytes, preprocess: Preprocess, *, max_pixels: int) -> tor
     return _normalise(_resize(rgb, preprocess), preprocess)
 
 
-def open_image(data: bytes, *, max_pixels: int, draft: int | None = None) -> Image.Image:
-    """Decode image bytes to an upright RGB image (EXIF rotation applied), checking the pixel
-    count from the header first. ``draft``: a JPEG may be decoded at a reduced scale that
-    keeps both sides at least this. Blocking: call it from a worker thread."""
+def _open(data: bytes, max_pixels: int) -> Image.Image:
+    """The image with only its header read, its size checked against ``max_pixels``."""
     try:
         image = Image.open(io.BytesIO(data), formats=_FORMATS)
     except UnidentifiedImageError:
@@ -146,12 +156,29 @@ def open_image(data: bytes, *, max_pixels: int, draft: int | None = None) -> Ima
         raise InvalidInput(_bomb(None, max_pixels)) from None
     except (OSError, SyntaxError, ValueError, EOFError) as exc:
         raise InvalidInput(f"the image header cannot be read: {exc}") from None
-    with image:
-        width, height = image.size
+    width, height = image.size
+    if width <= 0 or height <= 0 or width * height > max_pixels:
+        image.close()
         if width <= 0 or height <= 0:
             raise InvalidInput(f"the image has no pixels ({width}x{height})")
-        if width * height > max_pixels:
-            raise InvalidInput(_bomb((width, height), max_pixels))
+        raise InvalidInput(_bomb((width, height), max_pixels))
+    return image
+
+
+def image_pixels(data: bytes, *, max_pixels: int) -> int:
+    """Width x height from the image's header alone (nothing is decoded), for the per-request
+    pixel budget. Raises :class:`InvalidInput` as :func:`decode_image` would for the header."""
+    with _open(data, max_pixels) as image:
+        width, height = image.size
+        return int(width * height)
+
+
+def open_image(data: bytes, *, max_pixels: int, draft: int | None = None) -> Image.Image:
+    """Decode image bytes to an upright RGB image (EXIF rotation applied), checking the pixel
+    count from the header first. ``draft``: a JPEG may be decoded at a reduced scale that
+    keeps both sides at least this. Blocking: call it from a worker thread."""
+    with _open(data, max_pixels) as image:
+        width, height = image.size
         try:
             if draft is not None:
                 image.draft("RGB", (draft, draft))

@@ -171,7 +171,8 @@ class EncoderSettings:
         group="batching",
         gt=0,
         help="Images that may wait for (or be decoded for) a forward pass; more get 503, so a "
-        "burst is refused quickly instead of timing out. Also the most images per request.",
+        "burst is refused quickly instead of timing out. Also the most images per request "
+        "(checked before any is loaded).",
     )
     torch_threads: int | None = setting(
         None,
@@ -239,6 +240,20 @@ class EncoderSettings:
         gt=0,
         help="Width x height of one image, checked before decoding (decompression bombs); "
         "larger ones get 400.",
+    )
+    max_request_bytes: ByteSize = setting(
+        64 * MiB,
+        group="server",
+        gt=0,
+        help="Encoded bytes of all of one request's images together (inline, files and "
+        "fetches), counted as they are loaded: the rest is never read or fetched.",
+    )
+    max_request_pixels: int = setting(
+        100_000_000,
+        group="server",
+        gt=0,
+        help="Width x height of all of one request's images together, read from their headers "
+        "before any is decoded, so one request cannot hold the decode threads for long.",
     )
     media_dir: ExistingDir | None = setting(
         None,

@@ -6,7 +6,14 @@ handler cancelled by a disconnecting client leaves only what the service decides
 
 Auth: when a token is set, ``/encode``, ``/send`` and ``/scheduler_receive_meta_data`` need
 ``Authorization: Bearer <token>``. The probes and ``/metrics`` stay open, because probes and
-scrapers rarely carry secrets and none of them reveals request data or changes state.
+scrapers rarely carry secrets and none of them reveals request data, the transfer engine's
+address or changes state.
+
+Bodies: only ``/encode`` carries images; every other route takes at most
+``max_control_body_bytes``, refused (413) from its ``Content-Length`` or as soon as more
+arrives, so a stream of junk to ``/send`` is never buffered. A ``/send`` may name only a
+receiver host in ``allowed_receivers`` (403 otherwise, before anything is looked up), and each
+client (by address) has at most ``max_sends_per_client`` ``/send`` calls in flight (503).
 
 Every answer is counted and timed by route; with ``access_log`` on, it is also logged as one
 line on the ``trio_encode.access`` logger.
@@ -16,13 +23,15 @@ from __future__ import annotations
 
 import hmac
 import logging
+from collections import Counter
 from typing import Any
 
 import trio
 from quart import Response, g, jsonify, request
 from quart_trio import QuartTrio
 
-from trio_encode.errors import NotReady, ShuttingDown
+from trio_encode.errors import NotReady, Overloaded, ReceiverNotAllowed, ShuttingDown, TooLarge
+from trio_encode.receivers import receiver_host
 from trio_encode.request_types import Receiver
 from trio_encode.server.errors import error_response, install_error_handlers, unauthorized
 from trio_encode.server.metrics import Metrics
@@ -39,6 +48,8 @@ from trio_encode.service import EncodeService, Part
 from trio_encode.settings import ServerSettings
 
 _PROTECTED = frozenset({"/encode", "/send", "/scheduler_receive_meta_data"})
+_IMAGE_ROUTES = frozenset({"/encode"})
+"""The only routes whose bodies may reach ``max_body_bytes``."""
 
 access_log = logging.getLogger("trio_encode.access")
 
@@ -49,6 +60,8 @@ def create_app(service: EncodeService, metrics: Metrics, settings: ServerSetting
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     install_error_handlers(app)
     expected = f"Bearer {settings.token}".encode() if settings.token else None
+    sends_in_flight: Counter[str] = Counter()
+    receivers = settings.receiver_policy
 
     @app.before_request
     async def check_token() -> Response | None:
@@ -59,6 +72,25 @@ def create_app(service: EncodeService, metrics: Metrics, settings: ServerSetting
         if hmac.compare_digest(given, expected):
             return None
         return unauthorized()
+
+    @app.before_request
+    async def limit_body() -> None:
+        if request.path in _IMAGE_ROUTES:
+            return
+        limit = settings.max_control_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise TooLarge(f"{request.path} takes bodies of at most {limit} bytes")
+        # Quart buffers a body as it arrives, up to the app-wide limit; lowering this body's
+        # own limit makes it stop (and refuse) at this route's, before the handler reads it.
+        request.body._max_content_length = limit
+
+    async def read_body() -> bytes:
+        data: bytes = await request.get_data(cache=False, as_text=False, parse_form_data=False)
+        if request.path not in _IMAGE_ROUTES and len(data) > settings.max_control_body_bytes:
+            raise TooLarge(
+                f"{request.path} takes bodies of at most {settings.max_control_body_bytes} bytes"
+            )
+        return data
 
     @app.after_request
     async def count(response: Response) -> Response:
@@ -82,39 +114,56 @@ def create_app(service: EncodeService, metrics: Metrics, settings: ServerSetting
 
     @app.post("/encode")
     async def encode() -> Response:
-        body = parse_body(
-            EncodeRequest, await request.get_data(cache=False, as_text=False, parse_form_data=False)
-        )
+        body = parse_body(EncodeRequest, await read_body())
         g.req_id = body.req_id
         part = Part(body.num_parts or 1, body.part_idx or 0, body.endpoints)
         report = await service.encode(
-            body.req_id, body.urls, receive_count=body.receive_count, part=part
+            body.req_id,
+            body.urls,
+            receive_count=body.receive_count,
+            part=part,
+            prefill_host=body.prefill_host,
         )
         return jsonify(encode_answer(body, report))
 
     @app.post("/scheduler_receive_meta_data")
     async def pull() -> Response:
-        body = parse_body(
-            PullRequest, await request.get_data(cache=False, as_text=False, parse_form_data=False)
-        )
+        body = parse_body(PullRequest, await read_body())
         g.req_id = body.req_id
         report = await service.pull(body.req_id, receive_count=body.receive_count)
         return jsonify(pull_answer(body, report))
 
     @app.post("/send")
     async def send() -> Response:
-        body = parse_body(
-            SendRequest, await request.get_data(cache=False, as_text=False, parse_form_data=False)
-        )
+        body = parse_body(SendRequest, await read_body())
         g.req_id = body.req_id
-        receiver = Receiver(body.session_id, body.buffer_address)
-        report = await service.send(
-            body.req_id,
-            receiver,
-            receive_count=body.receive_count,
-            notify=body.endpoint,
-            part_idx=body.part_idx,
-        )
+        host = receiver_host(body.session_id)
+        if not receivers.allows(host):
+            raise ReceiverNotAllowed(
+                f"receiver host {host!r} is not one this server sends to (allowed_receivers)",
+                req_id=body.req_id,
+            )
+        client = request.remote_addr or "unknown"
+        if sends_in_flight[client] >= settings.max_sends_per_client:
+            raise Overloaded(
+                f"this client already has {settings.max_sends_per_client} /send calls in "
+                "flight (max_sends_per_client); retry when one has answered",
+                req_id=body.req_id,
+            )
+        sends_in_flight[client] += 1
+        try:
+            receiver = Receiver(body.session_id, body.buffer_address)
+            report = await service.send(
+                body.req_id,
+                receiver,
+                receive_count=body.receive_count,
+                notify=body.endpoint,
+                part_idx=body.part_idx,
+            )
+        finally:
+            sends_in_flight[client] -= 1
+            if not sends_in_flight[client]:
+                del sends_in_flight[client]
         return jsonify(send_answer(body.req_id, report))
 
     def not_ready() -> Response | None:
@@ -140,10 +189,11 @@ def create_app(service: EncodeService, metrics: Metrics, settings: ServerSetting
         refusal = not_ready()
         if refusal is not None:
             return refusal
+        # Never the engine's session_id: whoever can reach the engine's port with it can
+        # read and write the memory it registered (see docs/operations.md, Security).
         return jsonify(
             {
                 "status": "ok",
-                "session_id": service.engine.session_id,
                 "live_scopes": len(service.registry),
                 "live_registrations": service.ledger.live_registrations,
             }

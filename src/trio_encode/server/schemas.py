@@ -33,7 +33,19 @@ from trio_encode.service import EncodeReport
 _SESSION_ID = re.compile(r"^(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):([0-9]{1,5})$")
 
 ReqId = Annotated[StrictStr, Field(min_length=1, max_length=256)]
-Count = Annotated[StrictInt, Field(ge=1)]
+MAX_RECEIVE_COUNT = 1024
+"""The most receivers one request may name: far above any tensor-parallel size, low enough that
+a request cannot keep its scope (and its memory) waiting for receivers that cannot exist."""
+Count = Annotated[StrictInt, Field(ge=1, le=MAX_RECEIVE_COUNT)]
+
+MAX_JSON_VALUES = 4096
+"""At most this many JSON objects, arrays and ``,``-separated values in one body. A request's
+real content is a few dozen values (up to ``queue_size`` items, each a string or a small
+object); the cap is checked on the raw bytes before parsing, so a body of millions of tiny
+values (``[{},{},...]`` in a field nobody reads) is refused before it is turned into
+millions of Python objects."""
+MAX_HASHES = 1024
+"""Entries of SGLang's ``hashes`` (one per item in practice); each a number or a short string."""
 
 
 class _Body(BaseModel):
@@ -60,7 +72,15 @@ class EncodeRequest(_Body):
     part_idx: Annotated[StrictInt, Field(ge=0)] | None = None
     prefill_host: StrictStr | None = None
     embedding_port: StrictInt | list[StrictInt] | None = None
-    hashes: list[Any] | StrictStr | StrictInt | None = None
+    hashes: (
+        Annotated[
+            list[StrictInt | Annotated[StrictStr, Field(max_length=256)]],
+            Field(max_length=MAX_HASHES),
+        ]
+        | Annotated[StrictStr, Field(max_length=256)]
+        | StrictInt
+        | None
+    ) = None
     """Accepted and ignored: the cache keys by the bytes actually received, never by a hash
     a client could get wrong (a wrong one would hand one request another's embedding)."""
     time_stats_json: Any = None
@@ -153,19 +173,30 @@ Body = TypeVar("Body", bound=_Body)
 def parse_body(model: type[Body], raw: bytes) -> Body:
     """The validated body, or :class:`InvalidInput` naming every problem (and the ``req_id``
     when the body got far enough to have one)."""
+    # Counted on the raw bytes (C speed, no objects made): base64 and URLs hold no '{', '['
+    # or ',' beyond a data URI's one comma, so honest bodies stay far below the cap.
+    values = raw.count(b"{") + raw.count(b"[") + raw.count(b",")
+    if values > MAX_JSON_VALUES:
+        raise InvalidInput(
+            f"the body holds about {values} JSON values; at most {MAX_JSON_VALUES} are accepted"
+        )
     try:
         data: Any = json.loads(raw)
+    except RecursionError:
+        raise InvalidInput("the body's JSON is nested too deeply") from None
     except (UnicodeDecodeError, ValueError) as exc:
         raise InvalidInput(f"the body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise InvalidInput("the body must be a JSON object")
     req_id = data.get("req_id")
+    # Echo the req_id only when it is itself valid: an id that is not cannot name a request.
+    valid_id = req_id if isinstance(req_id, str) and 1 <= len(req_id) <= 256 else None
     try:
         return model.model_validate(data)
+    except RecursionError:
+        raise InvalidInput("the body's JSON is nested too deeply", req_id=valid_id) from None
     except ValidationError as exc:
-        # Echo the req_id only when it is itself valid: an id that is not cannot name a request.
-        valid_id = isinstance(req_id, str) and 1 <= len(req_id) <= 256
-        raise InvalidInput(_describe(exc), req_id=req_id if valid_id else None) from None
+        raise InvalidInput(_describe(exc), req_id=valid_id) from None
 
 
 def _describe(exc: ValidationError) -> str:
@@ -200,8 +231,14 @@ def encode_answer(body: EncodeRequest, report: EncodeReport) -> dict[str, Any]:
 
 def pull_answer(body: PullRequest, report: EncodeReport) -> dict[str, Any]:
     """SGLang's fields (``req_id``, ``part_idx``, ``embedding_size``, ``embedding_len``,
-    ``embedding_dim``) and the dtype; a rank adds its buffer to this and sends it back."""
-    return {"req_id": body.req_id, "part_idx": body.part_idx} | _shape_fields(report.shape)
+    ``embedding_dim``) and the dtype; a rank adds its buffer to this and sends it back.
+
+    No checksum: a pull names only a ``req_id``, and a digest of the embedding would let
+    whoever guesses an id confirm which image another client sent. The checksum comes with the
+    answers of ``/encode`` (which names the images) and ``/send`` (which receives the bytes)."""
+    fields = _shape_fields(report.shape)
+    del fields["checksum"]
+    return {"req_id": body.req_id, "part_idx": body.part_idx} | fields
 
 
 def send_answer(req_id: str, report: SendReport) -> dict[str, Any]:

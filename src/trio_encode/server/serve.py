@@ -29,6 +29,7 @@ from hypercorn.utils import wrap_app
 from trio_encode.engine import TransferEngine
 from trio_encode.server import heap
 from trio_encode.server.app import create_app
+from trio_encode.server.listeners import WILDCARDS, listening_sockets
 from trio_encode.server.loading import LoadingEncoder
 from trio_encode.server.metrics import Metrics
 from trio_encode.service import Encoder, EncodeService, ShutdownReport
@@ -108,6 +109,7 @@ async def serve(
         observer=metrics,
     ) as service:
         metrics.attach(service)
+        warn_any_receiver(settings)
         app = create_app(service, metrics, settings)
         stop_listening = trio.Event()
         async with trio.open_nursery() as nursery:
@@ -201,6 +203,28 @@ async def open_server(
             running.stop()
 
 
+def warn_open_engine_ports(opened: set[tuple[str, int]]) -> None:
+    """Log the transfer engine's ports that listen on every interface (Mooncake binds them so
+    whatever its hostname says): reaching one is reaching the engine's registered memory."""
+    open_ports = sorted(f"{address}:{port}" for address, port in opened if address in WILDCARDS)
+    if open_ports:
+        log.warning(
+            "the transfer engine listens on %s: every interface, whatever engine_hostname "
+            "says (Mooncake has no bind address). Whoever reaches these ports can read and "
+            "write its registered memory: firewall them to the prefill ranks "
+            "(docs/operations.md, Security)",
+            ", ".join(open_ports),
+        )
+
+
+def warn_any_receiver(settings: ServerSettings) -> None:
+    if settings.receiver_policy.any_host:
+        log.warning(
+            "allowed_receivers is '*': /send writes to any host a caller names. Only run so "
+            "where the transfer engine's network reaches prefill ranks alone."
+        )
+
+
 async def run_server(
     settings: ServerSettings,
     *,
@@ -255,8 +279,10 @@ async def _run_listening(
 
     if settings.malloc_arenas is not None and not heap.limit_arenas(settings.malloc_arenas):
         log.info("malloc arenas not limited (not glibc)")
+    before = listening_sockets()
     engine: TransferEngine = await MooncakeEngine.create(settings.engine)
     log.info("transfer engine ready at %s over %s", engine.session_id, settings.engine.protocol)
+    warn_open_engine_ports(listening_sockets() - before)
     if wrap_engine is not None:
         engine = wrap_engine(engine)
     metrics = Metrics()
