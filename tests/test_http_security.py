@@ -124,6 +124,7 @@ async def test_a_request_s_pixels_are_counted_from_headers_before_any_decode(
     encoder = ImageEncoder.from_settings(replace(SMALL, max_request_pixels=2 * 64 * 64))
     async with serving(rank_engines.server, encoder=encoder) as harness:
         items = [image_uri(png(64, seed)) for seed in range(3)]
+        decoded.clear()  # the warm-up's own
         answer = await post(harness, "/encode", {"req_id": "pixels", "mm_items": items})
         status, kind, message = error_of(answer)
         assert (status, kind) == (400, "invalid_input")

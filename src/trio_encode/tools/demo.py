@@ -190,13 +190,19 @@ async def _run(settings: ServerSettings, config: DemoSettings, steps: Steps) -> 
     steps.finish(teardown)
     report = running.service.shutdown_report
     outcome.cut_short = report.cut_short if report is not None else 0
-    # With the arena (its own registration counted apart): each request that did not fit;
-    # without: one a request.
-    expected_registrations = outcome.fallbacks if outcome.arena else requests
-    if outcome.registrations != expected_registrations:
+    # Rows are sent as they lie, each image's registered on its own unless it lies in the
+    # arena (whose own registration is counted apart). With the arena: for each request that
+    # did not fit, its rows outside it (one to all of them); without: every image of every
+    # request.
+    if outcome.arena:
+        least, most = outcome.fallbacks, outcome.fallbacks * images
+    else:
+        least = most = requests * images
+    if not least <= outcome.registrations <= most:
+        wanted = f"{least:.0f}" if least == most else f"{least:.0f} to {most:.0f}"
         outcome.failures.append(
             f"{outcome.registrations:.0f} registrations for {requests} requests "
-            f"(expected {expected_registrations:.0f})"
+            f"of {images} images (expected {wanted})"
         )
     if outcome.live_registrations or running.service.ledger.live_registrations:
         outcome.failures.append("registrations were still held after the requests ended")
