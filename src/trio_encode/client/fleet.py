@@ -196,7 +196,9 @@ class FleetClient:
         sends into a fresh one, so a late write of the first can never land where the second
         was answered 200. Raises :class:`NoEncoderAvailable` when every encoder failed, or the
         request's own error (:mod:`trio_encode.errors`,
-        :class:`~trio_encode.client.TransferFailed`); no slot is left allocated then.
+        :class:`~trio_encode.client.TransferFailed`), or
+        :class:`~trio_encode.client.PoolExhausted` when ``pool`` has no room (quarantined
+        slots included); no slot is left allocated then.
         """
         order = self.ranking(mm_items, req_id)
         self.health.forget(order)
