@@ -9,6 +9,7 @@ in a prompt for it, and Qwen-VL images report the processor's grid.
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 from pathlib import Path
@@ -18,6 +19,8 @@ import torch
 import trio
 from PIL import Image
 
+from support.engines import RankEngines
+from support.harness import landing_pools, serving
 from support.vlms import FAMILIES, TinyVLM, build
 from trio_encode.embedding import ArenaEmbedding
 from trio_encode.encoder import EncoderSettings, ImageEncoder, load_backend
@@ -161,3 +164,29 @@ def test_the_bench_models_mix_of_sizes_gives_different_token_counts(tmp_path: Pa
         (1, 24, 32),
     ]
     assert [Image.open(io.BytesIO(j)).size for j in jpegs] == list(VLM_IMAGE_SIZES)
+
+
+async def test_over_http_the_answer_and_the_landed_bytes_are_the_models(
+    tmp_path: Path, rank_engines: RankEngines
+) -> None:
+    """The real server and a real Mooncake receiver: ``/encode`` answers each image's rows and
+    grid, and ``/send`` lands transformers' own features, byte for byte."""
+    tiny = build("qwen2_5_vl", tmp_path)
+    encoder = ImageEncoder.from_settings(settings_for(tmp_path, max_batch_wait=0.2))
+    uris = ["data:image/png;base64," + base64.b64encode(data).decode() for data in PHOTOS]
+    images = [Image.open(io.BytesIO(data)).convert("RGB") for data in PHOTOS]
+    expected = tiny.reference(images, torch.float32)
+    async with (
+        serving(rank_engines.server, encoder=encoder) as harness,
+        landing_pools(rank_engines, expected.numel() * 4 + 4096) as pools,
+    ):
+        with trio.fail_after(60):
+            encoded = await harness.client.encode("vlm", uris, receive_count=1)
+            slot = pools[0].allocate(encoded.embedding_size)
+            await harness.client.send("vlm", pools[0].session_id, slot.address)
+            await harness.settled()
+        grids = tiny.image_processor(images=images, return_tensors="pt")["image_grid_thw"]
+        assert encoded.body["embedding_lens"] == [tiny.prompt_tokens(image) for image in images]
+        assert encoded.body["grid_dim"] == grids.tolist()
+        assert (encoded.embedding_len, encoded.embedding_dim) == tuple(expected.shape)
+        assert torch.equal(slot.read(*expected.shape, "float32"), expected)
