@@ -2,8 +2,8 @@
 built from their configs (nothing downloaded), against transformers' own answers.
 
 For each family the embedding of a request with images of several sizes and aspect ratios is
-byte-for-byte the full model's ``get_image_features`` (float32 and bfloat16: equal, no
-tolerance), each image's row count is the number of image tokens the model's processor puts
+byte-for-byte the full model's ``get_image_features`` (float32, bfloat16 and float16: equal,
+no tolerance), each image's row count is the number of image tokens the model's processor puts
 in a prompt for it, and Qwen-VL images report the processor's grid.
 """
 
@@ -69,7 +69,7 @@ def settings_for(path: Path, **changes: object) -> EncoderSettings:
     return EncoderSettings(**(values | changes))  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 async def test_served_bytes_equal_transformers_and_counts_equal_the_prompt(
     tiny: TinyVLM, dtype: str
 ) -> None:
