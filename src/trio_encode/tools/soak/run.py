@@ -57,7 +57,7 @@ from trio_encode.settings import (
     server_settings,
 )
 from trio_encode.testing.faults import DrillSettings, EngineFaults, FaultPlan
-from trio_encode.tools.soak.drill import Call, CheckedImages, Rank, post
+from trio_encode.tools.soak.drill import Call, CheckedImages, Rank, Slot, post
 from trio_encode.tools.soak.receiver import ReceiverGone, ReceiverProcess, open_receiver
 from trio_encode.tools.soak.server import ServerProcess, open_server_process
 
@@ -442,31 +442,45 @@ class _Soak:
             self.counts.vanished_after_encode += 1
             return
         async with rank.slot(nursery) as slot:
-            if not await rank.clean(slot):
-                self.counts.foreign_slots += 1
-                self.violations.append(f"{req_id} {name}: its slot held foreign bytes")
-            send_body = {
-                "req_id": req_id,
-                "session_id": rank.session_id,
-                "buffer_address": slot.address,
-            }
-            if vanish == "mid_send":
-                self.counts.vanished_mid_send += 1
-                with trio.move_on_after(self.random.uniform(0, 0.01)):
-                    await http.post("/send", json=send_body)
-            for attempt in range(4):
-                send, _ = await post(http, "/send", send_body, rank=name)
-                self._record(send)
-                if send.status != 502 or attempt == 3:
-                    break
-            if send.status != 200:
-                slot.dirty = True
-                return
-            digests = [self.workload.digests[i] for i in images]
-            if not await rank.check(slot, req_id, digests):
-                self.violations.append(f"{req_id} {name}: 200 but the bytes differ")
-            else:
+            if await self._send_and_check(
+                http, rank, slot, req_id, images, name, vanish=vanish == "mid_send"
+            ):
                 self.checked_bytes += len(images) * self.workload.bytes_per_image
+
+    async def _send_and_check(
+        self,
+        http: httpx.AsyncClient,
+        rank: Rank,
+        slot: Slot,
+        req_id: str,
+        images: list[int],
+        who: str,
+        *,
+        vanish: bool = False,
+    ) -> bool:
+        """``/send`` into ``slot`` (again after a 502, at most 4 times; with ``vanish`` a call
+        abandoned after a few ms first) and check what landed. A slot whose send failed is
+        marked dirty. True when answered 200 with the model's bytes."""
+        if not await rank.clean(slot):
+            self.counts.foreign_slots += 1
+            self.violations.append(f"{req_id} {who}: its slot held foreign bytes")
+        body = {"req_id": req_id, "session_id": rank.session_id, "buffer_address": slot.address}
+        if vanish:
+            self.counts.vanished_mid_send += 1
+            with trio.move_on_after(self.random.uniform(0, 0.01)):
+                await http.post("/send", json=body)
+        for _ in range(4):
+            send, _ = await post(http, "/send", body, rank=who)
+            self._record(send)
+            if send.status != 502:
+                break
+        if send.status != 200:
+            slot.dirty = True
+            return False
+        if not await rank.check(slot, req_id, [self.workload.digests[i] for i in images]):
+            self.violations.append(f"{req_id} {who}: 200 but the bytes differ")
+            return False
+        return True
 
     async def _cut_off_body(self, body: dict[str, Any]) -> None:
         raw = json.dumps(body).encode()
@@ -516,24 +530,7 @@ class _Soak:
             self._record(encode)
             if encode.status == 200:
                 async with rank.slot(nursery) as slot:
-                    if not await rank.clean(slot):
-                        self.counts.foreign_slots += 1
-                        self.violations.append(f"{req_id}: its slot held foreign bytes")
-                    body = {
-                        "req_id": req_id,
-                        "session_id": rank.session_id,
-                        "buffer_address": slot.address,
-                    }
-                    for _ in range(4):
-                        send, _ = await post(http, "/send", body, rank="probe")
-                        self._record(send)
-                        if send.status != 502:
-                            break
-                    if send.status == 200:
-                        if not await rank.check(slot, req_id, [self.workload.digests[image]]):
-                            self.violations.append(f"{req_id}: 200 but the bytes differ")
-                    else:
-                        slot.dirty = True
+                    await self._send_and_check(http, rank, slot, req_id, [image], "probe")
                 self.probe_samples.append((started, time.monotonic() - started))
             await trio.sleep(self.config.probe_interval)
 
