@@ -96,6 +96,17 @@ def _plain_gather(model: Any, inputs: Any) -> list[torch.Tensor]:
     return list(out)
 
 
+PINPOINTS = [[28, 28], [28, 56], [56, 28], [56, 56], [28, 84], [84, 28]]
+"""LLaVA-OneVision's anyres resolutions for a 28 px tile: up to 3 tiles beside the base one."""
+
+
+def _onevision_gather(model: Any, inputs: Any) -> list[torch.Tensor]:
+    out = model.get_image_features(
+        pixel_values=inputs["pixel_values"], image_sizes=inputs["image_sizes"]
+    ).pooler_output
+    return [out] if isinstance(out, torch.Tensor) else list(out)
+
+
 def _qwen_vision(**extra: Any) -> dict[str, Any]:
     return {
         "depth": 2,
@@ -184,6 +195,28 @@ def build(family: str, path: Path, seed: int = 0) -> TinyVLM:
         )
         tokens, model_class = {"image_token": "<image>"}, T.LlavaForConditionalGeneration
         processor_class, gather, text = T.LlavaProcessor, _plain_gather, "<image>"
+    elif family == "llava_onevision":
+        config = T.LlavaOnevisionConfig(
+            text_config={"model_type": "qwen2", **TEXT},
+            vision_config={
+                "model_type": "siglip_vision_model",
+                "hidden_size": 32,
+                "intermediate_size": 48,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 2,
+                "image_size": 28,
+                "patch_size": 7,
+                "vision_use_head": False,
+            },
+            image_token_index=9,
+            image_grid_pinpoints=PINPOINTS,
+            vision_aspect_ratio="anyres_max_9",
+        )
+        image_processor = T.LlavaOnevisionImageProcessor(
+            size={"height": 28, "width": 28}, image_grid_pinpoints=PINPOINTS
+        )
+        tokens, model_class = {"image_token": "<image>"}, T.LlavaOnevisionForConditionalGeneration
+        processor_class, gather, text = T.LlavaOnevisionProcessor, _onevision_gather, "<image>"
     elif family == "gemma3":
         config = T.Gemma3Config(
             text_config={"model_type": "gemma3_text", **TEXT, "sliding_window": 16},
@@ -270,6 +303,15 @@ def _processor(processor_class: Any, family: str, image_processor: Any, tokenize
         )
     if family == "gemma3":
         return processor_class(image_processor, tokenizer, image_seq_length=16)
+    if family == "llava_onevision":
+        return _without_video(processor_class)(
+            image_processor,
+            tokenizer,
+            None,
+            num_image_tokens=16,
+            vision_feature_select_strategy="full",
+            vision_aspect_ratio="anyres_max_9",
+        )
     if family == "internvl":
         return _without_video(processor_class)(image_processor, tokenizer, None, image_seq_length=4)
     raise ValueError(family)
@@ -283,4 +325,4 @@ def _mrope(*, interleaved: bool = False) -> dict[str, Any]:
     return rope
 
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "gemma3", "internvl")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "llava_onevision", "gemma3", "internvl")

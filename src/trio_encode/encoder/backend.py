@@ -31,6 +31,9 @@ class Prepared:
     """Rows of its embedding: the image tokens the model's processor puts in the prompt."""
     grid: Grid | None = None
     """Its grid, for the models whose prompt and positions need one (None: a fixed grid)."""
+    size: tuple[int, int] | None = None
+    """``(height, width)`` before preprocessing, for models whose features depend on it
+    (LLaVA-OneVision's tiles and unpadding)."""
 
 
 @runtime_checkable

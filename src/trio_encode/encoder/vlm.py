@@ -20,6 +20,7 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,23 @@ def _tile_features(model: Any, images: Sequence[Prepared], device: torch.device)
     return [part.reshape(-1, part.shape[-1]) for part in torch.split(out, tiles)]
 
 
+def _onevision_features(model: Any, images: Sequence[Prepared], device: torch.device) -> list[Any]:
+    """LLaVA-OneVision: each image's tiles (padded to the batch's most, as its processor pads
+    a batch) and its original size; the model unpads, adds its newline tokens and returns every
+    image's features back to back, split here by each image's count."""
+    most = max(int(image.pixels.shape[1]) for image in images)
+    first = images[0].pixels
+    pixels = first.new_zeros((len(images), most, *first.shape[2:]))
+    for index, image in enumerate(images):
+        pixels[index, : image.pixels.shape[1]] = image.pixels[0]
+    sizes = torch.tensor([image.size for image in images], dtype=torch.long, device=device)
+    out = model.get_image_features(pixel_values=pixels.to(device), image_sizes=sizes)
+    features = out.pooler_output
+    if isinstance(features, (list, tuple)):
+        features = torch.cat(list(features))
+    return list(torch.split(features, [image.tokens for image in images]))
+
+
 def _llava_tokens(config: Any) -> int:
     vision = config.vision_config
     tokens = (int(vision.image_size) // int(vision.patch_size)) ** 2
@@ -103,6 +121,7 @@ def _first(value: Any) -> int:
 
 
 _QWEN = Family(("model.visual",), None, _qwen_features)
+_PROJECTED = ("model.vision_tower", "model.multi_modal_projector")
 FAMILIES: dict[str, Family] = {
     "qwen2_vl": _QWEN,
     "qwen2_5_vl": _QWEN,
@@ -113,6 +132,7 @@ FAMILIES: dict[str, Family] = {
     "gemma3": Family(
         ("model.vision_tower", "model.multi_modal_projector"), _gemma3_tokens, _tile_features
     ),
+    "llava_onevision": Family((*_PROJECTED, "model.image_newline"), None, _onevision_features),
     "internvl": Family(
         ("model.vision_tower", "model.multi_modal_projector"), _internvl_tokens, _tile_features
     ),
@@ -146,7 +166,7 @@ class VLMVisionModel:
         config = transformers.AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
         self.model = _build_vision_only(transformers, config, model_dir, self.family, self.dtype)
         for path in self.family.modules:
-            self.model.get_submodule(path).to(self.device)
+            _to_device(self.model, path, self.device)
         self.config = config
         self.processor = transformers.AutoImageProcessor.from_pretrained(
             str(model_dir), local_files_only=True
@@ -165,8 +185,8 @@ class VLMVisionModel:
         self.model_id = f"vlm({model_dir.resolve()},{model_type},{settings.dtype})"
         state = {
             name: tensor
-            for path in self.family.modules
-            for name, tensor in self.model.get_submodule(path).state_dict(prefix=path).items()
+            for name, tensor in self.model.state_dict().items()
+            if _under(name, self.family.modules)
         }
         self._fingerprint = model_fingerprint(
             f"vlm-{model_type}",
@@ -186,12 +206,31 @@ class VLMVisionModel:
         """An upright RGB image through the model's own image processor."""
         out = self.processor(images=[image], return_tensors="pt")
         pixels: torch.Tensor = out["pixel_values"].to(torch.float32).contiguous()
+        if "image_sizes" in out and self._per_tile is None:
+            height, width = (int(v) for v in out["image_sizes"][0])
+            tokens = self._onevision_tokens(height, width, int(pixels.shape[-2]))
+            return Prepared(pixels, tokens, size=(height, width))
         if self._per_tile is None:
             t, h, w = (int(v) for v in out["image_grid_thw"][0])
             return Prepared(pixels, t * h * w // self._merge**2, (t, h, w))
         if pixels.dim() == 3:
             pixels = pixels.unsqueeze(0)
         return Prepared(pixels, int(pixels.shape[0]) * self._per_tile)
+
+    def _onevision_tokens(self, height: int, width: int, side: int) -> int:
+        """The image tokens LLaVA-OneVision's own processor puts in a prompt for an image of
+        this size (its counting code, run on this model's numbers)."""
+        from types import SimpleNamespace
+
+        counter = _transformers().LlavaOnevisionProcessor
+        vision = self.config.vision_config
+        facts = SimpleNamespace(
+            image_processor=self.processor,
+            num_image_tokens=(int(vision.image_size) // int(vision.patch_size)) ** 2,
+            vision_aspect_ratio=self.config.vision_aspect_ratio,
+        )
+        facts._get_unpadded_features = partial(counter._get_unpadded_features, facts)
+        return int(counter._get_number_of_features(facts, height, width, side, side))
 
     def encode(self, images: Sequence[Prepared]) -> list[torch.Tensor]:
         with torch.inference_mode():
@@ -221,9 +260,33 @@ def _build_vision_only(
         if name in loaded:
             tensor._is_hf_initialized = True  # transformers' initialisers leave it alone
     for path in family.modules:
-        _materialise_buffers(model, path, loaded)
+        if not _is_parameter(model, path):
+            _materialise_buffers(model, path, loaded)
     model.eval().requires_grad_(False)
     return model
+
+
+def _under(name: str, paths: Sequence[str]) -> bool:
+    """Whether a parameter or buffer name is one of ``paths`` or lies inside one."""
+    return any(name == path or name.startswith(f"{path}.") for path in paths)
+
+
+def _is_parameter(model: Any, path: str) -> bool:
+    """Whether ``path`` names a bare parameter (LLaVA-OneVision's ``image_newline``), not a
+    module."""
+    owner_path, _, leaf = path.rpartition(".")
+    return leaf in model.get_submodule(owner_path)._parameters
+
+
+def _to_device(model: Any, path: str, device: torch.device) -> None:
+    """Move a module, or a bare parameter, to ``device``."""
+    if _is_parameter(model, path):
+        owner_path, _, leaf = path.rpartition(".")
+        owner = model.get_submodule(owner_path)
+        param = owner._parameters[leaf]
+        owner._parameters[leaf] = torch.nn.Parameter(param.to(device), requires_grad=False)
+    else:
+        model.get_submodule(path).to(device)
 
 
 def _model_class(transformers: Any, config: Any) -> Any:
@@ -240,7 +303,7 @@ def _read_vision_tensors(
     """The checkpoint's tensors of ``modules`` under the model's own names, in the dtypes of
     the model's (meta) parameters; shards without any are never opened."""
     expected = dict(model.state_dict())
-    wanted = {name for name in expected if name.startswith(tuple(f"{m}." for m in modules))}
+    wanted = {name for name in expected if _under(name, modules)}
     where = _weight_map(model_dir)
     by_shard: dict[str, list[tuple[str, str]]] = {}
     for stored, shard in where.items():
