@@ -24,6 +24,7 @@ goes during the run skews every side alike.
 from __future__ import annotations
 
 import resource
+import shutil
 import tempfile
 import time
 from collections.abc import AsyncIterator
@@ -289,7 +290,12 @@ async def _encoder_rows(
         await trio.to_thread.run_sync(save_tiny_qwen2_5_vl, directory)
         settings = replace(settings, model=directory)
         sizes = VLM_IMAGE_SIZES
-    backend = await trio.to_thread.run_sync(load_backend, settings)
+        try:
+            backend = await trio.to_thread.run_sync(load_backend, settings)
+        finally:  # everything the server needs is in memory once loaded
+            shutil.rmtree(directory, ignore_errors=True)
+    else:
+        backend = await trio.to_thread.run_sync(load_backend, settings)
     metrics = BatchRecorder()
     arena = Arena(settings.arena_bytes, cache_bytes=0) if settings.arena_bytes else None
     encoder = ImageEncoder(backend, settings, observer=metrics, arena=arena)
