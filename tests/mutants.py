@@ -279,6 +279,15 @@ MUTANTS: dict[str, Mutant] = {
             PAUSED,
         ),
     ),
+    "a poisoned arena segment served from the cache (failure 24)": Mutant(
+        "encoder/front.py",
+        "        segment.digest is not None and checksum_of(segment.buffer) == segment.digest",
+        "        True",
+        (
+            "tests/test_http_security.py::"
+            "test_an_engine_write_into_the_arena_is_detected_and_never_served",
+        ),
+    ),
     "Mooncake's own timeout status taken for an end (failure 19)": Mutant(
         "engine/mooncake.py",
         "            elif status != DONE:\n                still.append(check)",

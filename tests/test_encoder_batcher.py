@@ -81,6 +81,9 @@ class Events:
     def rejected(self, images: int) -> None:
         self.rejections.append(images)
 
+    def cache_poisoned(self, images: int) -> None:
+        raise AssertionError(f"{images} cached embeddings found poisoned")
+
 
 async def inline(fn: Callable[[], T]) -> T:
     return fn()

@@ -33,6 +33,7 @@ from trio_encode.encoder import backend as backend_module
 from trio_encode.encoder.fetch import FetchPolicy
 from trio_encode.logs import KeyValueFormatter
 from trio_encode.receivers import ReceiverPolicy
+from trio_encode.server.metrics import Metrics
 from trio_encode.settings import ServerSettings
 from trio_encode.testing.images import image_uri, noise_uri, solid_image
 from trio_encode.testing.stand_in_encoder import StandInEncoder, embedding_size
@@ -356,6 +357,42 @@ async def test_no_unauthenticated_route_and_no_error_shows_the_engine_or_an_addr
         )
         await harness.client.send("r", pools[0].session_id, pools[0].address)
         await harness.settled()
+
+
+async def test_an_engine_write_into_the_arena_is_detected_and_never_served(
+    rank_engines: RankEngines,
+) -> None:
+    """A plain Mooncake client that knows only the server engine's address overwrites a
+    cached image's segment in the arena. The next request for that image gets the embedding
+    the model computes, not the written bytes; the segment is dropped and counted."""
+    observed = Metrics()
+    encoder = ImageEncoder.from_settings(replace(SMALL, arena_bytes=1 << 20), observer=observed)
+    image = noise_uri(11)
+    async with (
+        serving(rank_engines.server, encoder=encoder) as harness,
+        landing_pools(rank_engines, 2 * ROW) as pools,
+    ):
+        pool = pools[0]
+        clean = await harness.client.encode("clean", [image], receive_count=1)
+        first = pool.allocate(ROW)
+        await harness.client.send("clean", pool.session_id, first.address)
+        assert encoder.arena is not None
+        (segment,) = encoder.arena._cached.values()
+        poison = torch.full((ROW,), 7, dtype=torch.uint8)
+        attacker = rank_engines.ranks[1]
+        await attacker.transfer(
+            rank_engines.server.session_id, [(poison.data_ptr(), ROW)], segment.address
+        )
+        assert bytes(segment.buffer[:8]) == b"\x07" * 8, "the write landed in the arena"
+
+        again = await harness.client.encode("again", [image], receive_count=1)
+        assert again.checksum == clean.checksum
+        second = pool.allocate(ROW)
+        sent = await harness.client.send("again", pool.session_id, second.address)
+        second.verify(sent.embedding_size, sent.checksum)
+        assert second.raw()[:ROW].tolist() == first.raw()[:ROW].tolist()
+        await harness.settled()
+    assert metric_value(observed.render().decode(), "encoder_cache_poisoned_total") == 1
 
 
 # -- receivers are authorised ---------------------------------------------------------------------

@@ -46,6 +46,10 @@ class Segment:
     """The cache key it is kept under, once the arena keeps it."""
     tag: object = None
     """What its writer keeps with the bytes (the encoder: the image's grid); never read here."""
+    digest: str | None = None
+    """The checksum its writer recorded when it filled the segment, for a reader to compare
+    before serving the bytes again (the arena is registered memory: whoever reaches the
+    transfer engine can write it); never read here."""
     freed: bool = field(default=False)
 
     @property
@@ -171,6 +175,13 @@ class Arena:
         self._cached_bytes += _reserved(segment.nbytes)
         self._trim_cache()
         return segment
+
+    def discard(self, segment: Segment) -> None:
+        """Stop keeping ``segment`` under its key (its bytes are not what was kept): no
+        lookup finds it again, and it is freed once its last lease is given back."""
+        key = segment.key
+        if key is not None and self._cached.get(key) is segment:
+            self._forget(key, segment)
 
     # -- internals ---------------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ memory, and its request takes the per-request registration path (counted as a fa
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -36,6 +37,7 @@ from trio_encode.embedding import (
     ArenaEmbedding,
     Embedding,
     RowsEmbedding,
+    checksum_of,
 )
 from trio_encode.encoder.backend import (
     FixedShape,
@@ -54,6 +56,8 @@ from trio_encode.encoder.settings import EncoderSettings
 from trio_encode.encoder.store import EmbeddingStore, store_key
 from trio_encode.errors import InvalidInput, NotReady, Overloaded, RequestError, ShuttingDown
 from trio_encode.request_types import Grid
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -323,6 +327,7 @@ class ImageEncoder:
                         segments[index] = segment
                         results[index] = self.batcher.row_view(segment)
                         grids[index] = _grid(segment.tag)
+                await self._drop_poisoned(segments, results, grids)
                 misses = sum(result is None for result in results)
                 self.observer.cache_looked_up(len(items) - misses, misses)
             elif self._cache is not None:
@@ -357,6 +362,40 @@ class ImageEncoder:
                     if segment is not None:
                         segment.arena.release(segment)
 
+    async def _drop_poisoned(
+        self,
+        segments: list[Segment | None],
+        results: list[torch.Tensor | None],
+        grids: list[Grid | None],
+    ) -> None:
+        """Compare every arena hit's bytes with the checksum recorded when its segment was
+        written, and treat a mismatch as a miss: the segment is dropped from the cache (freed
+        when its leases end), counted and logged, never served. The arena is registered with
+        the transfer engine for the server's life, so anyone who reaches the engine's port
+        can write it; this is what keeps such a write out of later requests' answers."""
+        assert self._arena is not None
+        hits = list(dict.fromkeys(segment for segment in segments if segment is not None))
+        if not hits:
+            return
+        intact = await self.batcher.run_decode(partial(_intact, hits))
+        poisoned = {segment for segment, ok in zip(hits, intact, strict=True) if not ok}
+        if not poisoned:
+            return
+        for bad in poisoned:
+            self._arena.discard(bad)
+        for index, held in enumerate(segments):
+            if held is not None and held in poisoned:
+                self._arena.release(held)
+                segments[index] = None
+                results[index] = None
+                grids[index] = None
+        self.observer.cache_poisoned(len(poisoned))
+        log.warning(
+            "%d cached embeddings no longer match their checksum: dropped and encoded again "
+            "(something wrote into the registered arena)",
+            len(poisoned),
+        )
+
     async def _keep_store_hits(
         self,
         keys: list[CacheKey],
@@ -383,7 +422,7 @@ class ImageEncoder:
                     continue
                 segments[index] = segment  # from here the caller's cleanup releases it
                 view = self.batcher.row_view(segment)
-                await self.batcher.run_decode(partial(view.copy_, row))
+                await self.batcher.run_decode(partial(_fill, segment, view, row))
                 kept = self._arena.keep(segment, key)
                 if kept is not segment:  # another request kept this image meanwhile
                     self._arena.lease(kept)
@@ -543,6 +582,22 @@ def _grid(tag: object) -> Grid | None:
     if not isinstance(tag, tuple):
         raise TypeError(f"a segment's tag is a grid, got {tag!r}")
     return tuple(int(v) for v in tag)
+
+
+def _intact(segments: Sequence[Segment]) -> list[bool]:
+    """In a worker thread: whether each segment's bytes still match the checksum recorded
+    when it was written (one without a record never matches)."""
+    return [
+        segment.digest is not None and checksum_of(segment.buffer) == segment.digest
+        for segment in segments
+    ]
+
+
+def _fill(segment: Segment, view: torch.Tensor, row: torch.Tensor) -> None:
+    """In a worker thread: copy ``row`` into ``segment`` (through ``view``) and record the
+    checksum later lookups compare with."""
+    view.copy_(row)
+    segment.digest = checksum_of(segment.buffer)
 
 
 def _assemble(

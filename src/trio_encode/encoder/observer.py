@@ -24,6 +24,9 @@ class EncoderObserver(Protocol):
     def rejected(self, images: int) -> None:
         """A request was refused because the queue was full (Overloaded)."""
 
+    def cache_poisoned(self, images: int) -> None:
+        """Cached embeddings whose bytes no longer matched their checksum were dropped."""
+
 
 class NullEncoderObserver:
     """Ignores every event."""
@@ -41,4 +44,7 @@ class NullEncoderObserver:
         pass
 
     def rejected(self, images: int) -> None:
+        pass
+
+    def cache_poisoned(self, images: int) -> None:
         pass

@@ -294,6 +294,12 @@ class Metrics:
         self.cache_entries = Gauge(
             METRIC_PREFIX + "encoder_cache_entries", "Embeddings cached.", registry=r
         )
+        self.cache_poisoned_images = Counter(
+            METRIC_PREFIX + "encoder_cache_poisoned",
+            "Cached embeddings dropped because their bytes no longer matched the checksum "
+            "recorded when they were written (memory changed behind the encoder's back).",
+            registry=r,
+        )
         self.encoder_rejected = Counter(
             METRIC_PREFIX + "encoder_rejected_images",
             "Images refused because the queue was full.",
@@ -430,6 +436,9 @@ class Metrics:
 
     def rejected(self, images: int) -> None:
         self.encoder_rejected.inc(images)
+
+    def cache_poisoned(self, images: int) -> None:
+        self.cache_poisoned_images.inc(images)
 
     # -- StoreObserver ------------------------------------------------------------------------
 
