@@ -444,3 +444,29 @@ async def test_multi_images_modality_and_hashes_are_accepted(rank_engines: RankE
             assert bytes(slot.raw().numpy().tobytes()) == expected_bytes([image])
             slot.release()
         await harness.settled()
+
+
+async def test_completion_messages_go_only_to_allowed_hosts(rank_engines: RankEngines) -> None:
+    """The server pushes to ``prefill_host``: the receivers' rule applies to it (loopback
+    only here), before anything is encoded or sent."""
+    body = tokenizer_bodies("far", [[image_uri(b"x" * 30)]])[0]
+    async with serving(rank_engines.server) as harness:
+        async with httpx.AsyncClient(base_url=harness.running.url) as http:
+            encoded = await http.post(
+                "/encode", json=body | {"prefill_host": "203.0.113.9", "embedding_port": [5555]}
+            )
+            sent = await http.post(
+                "/send",
+                json={
+                    "req_id": "far",
+                    "session_id": "127.0.0.1:5",
+                    "buffer_address": 4096,
+                    "prefill_host": "203.0.113.9",
+                    "embedding_port": 5555,
+                },
+            )
+        for answer in (encoded, sent):
+            assert answer.status_code == 403
+            assert answer.json()["error"] == "receiver_not_allowed"
+            assert "prefill_host host '203.0.113.9'" in answer.json()["message"]
+        assert len(harness.running.service.registry) == 0

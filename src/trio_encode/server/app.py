@@ -112,10 +112,19 @@ def create_app(service: EncodeService, metrics: Metrics, settings: ServerSetting
             )
         return response
 
+    def refuse_unless_allowed(host: str, what: str, req_id: str) -> None:
+        if not receivers.allows(host):
+            raise ReceiverNotAllowed(
+                f"{what} host {host!r} is not one this server sends to (allowed_receivers)",
+                req_id=req_id,
+            )
+
     @app.post("/encode")
     async def encode() -> Response:
         body = parse_body(EncodeRequest, await read_body())
         g.req_id = body.req_id
+        for endpoint in body.endpoints:  # the server pushes to them: receivers' rules apply
+            refuse_unless_allowed(endpoint.host, "prefill_host", body.req_id)
         part = Part(body.num_parts or 1, body.part_idx or 0, body.endpoints)
         report = await service.encode(
             body.req_id,
@@ -137,12 +146,9 @@ def create_app(service: EncodeService, metrics: Metrics, settings: ServerSetting
     async def send() -> Response:
         body = parse_body(SendRequest, await read_body())
         g.req_id = body.req_id
-        host = receiver_host(body.session_id)
-        if not receivers.allows(host):
-            raise ReceiverNotAllowed(
-                f"receiver host {host!r} is not one this server sends to (allowed_receivers)",
-                req_id=body.req_id,
-            )
+        refuse_unless_allowed(receiver_host(body.session_id), "receiver", body.req_id)
+        if body.endpoint is not None:  # its completion message goes there
+            refuse_unless_allowed(body.endpoint.host, "prefill_host", body.req_id)
         client = request.remote_addr or "unknown"
         if sends_in_flight[client] >= settings.max_sends_per_client:
             raise Overloaded(
