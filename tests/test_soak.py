@@ -32,6 +32,7 @@ async def test_a_short_soak_with_every_fault_keeps_every_promise() -> None:
         concurrency=8,
         send_timeout=4.0,
         freeze_seconds=4.0,
+        first_contact_freeze=4.0,
         vanish_rate=0.03,
         engine_faults="register=0.01,transfer=0.01,seed=3",
         encoder=TINY,
@@ -51,6 +52,7 @@ async def test_a_short_soak_with_every_fault_keeps_every_promise() -> None:
     assert (result.left_scopes, result.left_registrations) == (0, 0)
     assert result.late_freeze_window is not None  # a rank resumed after its deadline
     assert result.counts.foreign_slots == 0
+    assert 0 < result.probe_first_contact_max < 2.0  # probes ran, none stalled
 
 
 async def test_a_byte_landing_in_a_slot_between_its_requests_is_caught(

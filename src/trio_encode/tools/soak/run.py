@@ -215,6 +215,8 @@ class SoakResult:
     probe_baseline_median: float
     probe_frozen_median: float
     probe_frozen_count: int
+    probe_first_contact_max: float
+    """The slowest probe while a rank was frozen at first contact (0 without that fault)."""
     probe_samples: list[tuple[float, float]]
     """(seconds since start, latency) of every probe; the freeze is ``freeze_window``."""
     freeze_window: tuple[float, float] | None
@@ -282,6 +284,8 @@ class SoakResult:
             f"probe while a rank was frozen: median {self.probe_frozen_median * 1000:.1f} ms "
             f"({self.probe_frozen_count} probes) vs {self.probe_baseline_median * 1000:.1f} ms "
             f"before ({self.probe_ratio:.2f}x)",
+            f"probe while a rank was frozen at first contact: slowest "
+            f"{self.probe_first_contact_max * 1000:.0f} ms (bound {FIRST_CONTACT_BOUND:g} s)",
         ]
         lines += [f"VIOLATION: {v}" for v in self.violations[:50]]
         if len(self.violations) > 50:
@@ -770,9 +774,13 @@ def _result(soak: _Soak, drained: tuple[float, float, str]) -> SoakResult:
             violations.append(
                 f"probe median {frozen * 1000:.1f} ms while frozen vs {baseline * 1000:.1f} ms"
             )
+    first_contact = [0.0]
     if soak.first_contact_window is not None:
         start, end = soak.first_contact_window
-        slow = [s for t, s in soak.probe_samples if start <= t < end and s > FIRST_CONTACT_BOUND]
+        first_contact = [s for t, s in soak.probe_samples if start <= t < end]
+        if not first_contact:
+            violations.append("no probe answered while a rank was frozen at first contact")
+        slow = [s for s in first_contact if s > FIRST_CONTACT_BOUND]
         if slow:
             violations.append(
                 f"{len(slow)} probes took over {FIRST_CONTACT_BOUND:g} s (up to {max(slow):.1f} "
@@ -809,6 +817,7 @@ def _result(soak: _Soak, drained: tuple[float, float, str]) -> SoakResult:
         probe_baseline_median=baseline,
         probe_frozen_median=frozen,
         probe_frozen_count=frozen_count,
+        probe_first_contact_max=max(first_contact, default=0.0),
         probe_samples=[(t - soak.started, latency) for t, latency in soak.probe_samples],
         freeze_window=_since(soak.freeze_window, soak.started),
         late_freeze_window=_since(soak.late_freeze_window, soak.started),
