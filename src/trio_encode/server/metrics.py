@@ -13,7 +13,7 @@ from __future__ import annotations
 import platform
 from collections.abc import Sequence
 from importlib import metadata
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 
 import trio
 from prometheus_client import (
@@ -83,9 +83,170 @@ class QueueDepth(Protocol):
 _REGISTER_BUCKETS = (1e-6, 1e-5, 1e-4, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.25, 1)
 
 
+class _Declared(NamedTuple):
+    """One metric: its name after the prefix, its kind, help text and label names."""
+
+    name: str
+    kind: type[Counter] | type[Gauge] | type[Histogram]
+    help: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] = ()  # histograms only
+
+
+# Every metric the server exposes (besides build_info and the process collectors), in
+# exposition order. A counter declared without ``_total`` is exposed with it.
+_DECLARED = (
+    _Declared("requests_total", Counter, "Answered HTTP requests.", ("route", "status")),
+    _Declared(
+        "request_seconds",
+        Histogram,
+        "Time from a request's arrival to its answer, by route.",
+        ("route",),
+        _REQUEST_BUCKETS,
+    ),
+    _Declared(
+        "scope_seconds",
+        Histogram,
+        "A request scope's life, from its first /encode to its release, by how it ended.",
+        ("reason",),
+        _SCOPE_BUCKETS,
+    ),
+    _Declared("encoder_queue_images", Gauge, "Images waiting for a forward pass now."),
+    _Declared("encode_seconds", Histogram, "One encoder run.", (), _ENCODE_BUCKETS),
+    _Declared(
+        "transfer_seconds", Histogram, "One transfer into a receiver.", (), _TRANSFER_BUCKETS
+    ),
+    _Declared("transfer_bytes", Counter, "Bytes written into receivers."),
+    _Declared("live_scopes", Gauge, "Request scopes alive now."),
+    _Declared("live_registrations", Gauge, "Memory registrations held now."),
+    _Declared(
+        "arena_registrations",
+        Gauge,
+        "The arena's own registration: 1 while it is held (the server's whole life), "
+        "never counted in registrations_total or deregistrations_total.",
+    ),
+    _Declared(
+        "registrations",
+        Counter,
+        "Memory registrations made, the arena's left out (see arena_registrations).",
+    ),
+    _Declared(
+        "quarantined_registrations",
+        Gauge,
+        "Registrations whose deregistration failed; their memory is kept and the "
+        "deregistration retried.",
+    ),
+    _Declared("quarantined_bytes", Gauge, "Bytes kept alive by quarantined registrations."),
+    _Declared(
+        "held_transfers",
+        Gauge,
+        "Sends whose memory is held out of reuse because a transfer the engine stopped "
+        "waiting for may still read it.",
+    ),
+    _Declared(
+        "held_transfer_bytes",
+        Gauge,
+        "Bytes held out of reuse for transfers the engine stopped waiting for.",
+    ),
+    _Declared("held_transfer_oldest_seconds", Gauge, "Age of the oldest such hold (0 when none)."),
+    _Declared(
+        "held_transfers_overdue",
+        Counter,
+        "Holds that outlived the engine's bound: the engine never reported the transfer "
+        "ended; the memory is kept, never reused.",
+    ),
+    _Declared(
+        "deregistrations",
+        Counter,
+        "Memory registrations released, the arena's left out: equal to "
+        "registrations_total once idle.",
+    ),
+    _Declared(
+        "register_seconds",
+        Histogram,
+        "One memory registration (pinning, on RDMA).",
+        (),
+        _REGISTER_BUCKETS,
+    ),
+    _Declared("deregister_seconds", Histogram, "One memory deregistration.", (), _REGISTER_BUCKETS),
+    _Declared("arena_bytes", Gauge, "Size of the registered arena (0: none)."),
+    _Declared("arena_leased_bytes", Gauge, "Arena bytes held by requests and forwards now."),
+    _Declared(
+        "arena_cached_bytes", Gauge, "Arena bytes kept as the embedding cache (leased or not)."
+    ),
+    _Declared(
+        "arena_fallbacks",
+        Gauge,
+        "Requests whose embedding did not fit in the arena and was registered on its own "
+        "(a count since start).",
+    ),
+    _Declared("backstop_expiries", Counter, "Scopes ended by their deadline."),
+    _Declared(
+        "scopes_split",
+        Counter,
+        "Scopes ended by their deadline after serving some but not all receivers: a "
+        "request split across encoders (or ranks that never sent).",
+    ),
+    _Declared("scopes_closed", Counter, "Scopes ended, by reason.", ("reason",)),
+    _Declared(
+        "engine_errors", Counter, "Transfer-engine calls that returned an error.", ("call", "code")
+    ),
+    _Declared(
+        "completion_messages",
+        Counter,
+        "SGLang completion messages pushed to prefill ranks, by kind (done, error) and "
+        "result (sent, failed).",
+        ("kind", "result"),
+    ),
+    # The encoder's own events (EncoderObserver).
+    _Declared(
+        "encoder_batch_size", Histogram, "Images per forward pass.", (), (1, 2, 4, 8, 16, 32, 64)
+    ),
+    _Declared(
+        "encoder_forward_seconds", Histogram, "One forward pass over a batch.", (), _ENCODE_BUCKETS
+    ),
+    _Declared("encoder_forward_failures", Counter, "Forward passes that raised."),
+    _Declared(
+        "encoder_queue_wait_seconds",
+        Histogram,
+        "Time an image waited for its forward pass.",
+        (),
+        _ENCODE_BUCKETS,
+    ),
+    _Declared("encoder_cache_hits", Counter, "Cached images."),
+    _Declared("encoder_cache_misses", Counter, "Images not in the cache."),
+    _Declared("encoder_cache_bytes", Gauge, "Bytes of embeddings cached."),
+    _Declared("encoder_cache_entries", Gauge, "Embeddings cached."),
+    _Declared(
+        "encoder_cache_poisoned",
+        Counter,
+        "Cached embeddings dropped because their bytes no longer matched the checksum "
+        "recorded when they were written (memory changed behind the encoder's back).",
+    ),
+    _Declared("encoder_rejected_images", Counter, "Images refused because the queue was full."),
+    # The cluster-wide store's events (StoreObserver).
+    _Declared("store_connected", Gauge, "1 while connected to the Mooncake Store master, else 0."),
+    _Declared(
+        "store_lookups",
+        Counter,
+        "Images looked up in the cluster-wide store, by result (hit, miss, error, timeout, "
+        "unavailable); all but hit run the forward locally.",
+        ("result",),
+    ),
+    _Declared(
+        "store_puts",
+        Counter,
+        "Embeddings offered to the cluster-wide store, by result (stored, failed, timeout, "
+        "dropped).",
+        ("result",),
+    ),
+)
+
+
 class Metrics:
     """The server's metrics; the service's ``LifecycleObserver``, the encoder's
-    ``EncoderObserver`` and the store's ``StoreObserver``."""
+    ``EncoderObserver`` and the store's ``StoreObserver``. Each declared metric is found by
+    its name in ``counter``, ``gauge`` or ``histogram``, by its kind."""
 
     content_type = CONTENT_TYPE_LATEST
 
@@ -98,263 +259,60 @@ class Metrics:
         Info(METRIC_PREFIX + "build", "Versions of this server and its engines.", registry=r).info(
             build_versions()
         )
-        self.requests = Counter(
-            METRIC_PREFIX + "requests_total",
-            "Answered HTTP requests.",
-            ["route", "status"],
-            registry=r,
-        )
-        self.request_seconds = Histogram(
-            METRIC_PREFIX + "request_seconds",
-            "Time from a request's arrival to its answer, by route.",
-            ["route"],
-            buckets=_REQUEST_BUCKETS,
-            registry=r,
-        )
-        self.scope_seconds = Histogram(
-            METRIC_PREFIX + "scope_seconds",
-            "A request scope's life, from its first /encode to its release, by how it ended.",
-            ["reason"],
-            buckets=_SCOPE_BUCKETS,
-            registry=r,
-        )
-        self.encoder_queue = Gauge(
-            METRIC_PREFIX + "encoder_queue_images",
-            "Images waiting for a forward pass now.",
-            registry=r,
-        )
+        self.counter: dict[str, Counter] = {}
+        self.gauge: dict[str, Gauge] = {}
+        self.histogram: dict[str, Histogram] = {}
+        for d in _DECLARED:
+            full = METRIC_PREFIX + d.name
+            if d.kind is Histogram:
+                self.histogram[d.name] = Histogram(
+                    full, d.help, d.labels, buckets=d.buckets, registry=r
+                )
+            elif d.kind is Gauge:
+                self.gauge[d.name] = Gauge(full, d.help, d.labels, registry=r)
+            else:
+                self.counter[d.name] = Counter(full, d.help, d.labels, registry=r)
         self._queue_depth: QueueDepth | None = None
-        self.encoder_queue.set_function(
+        self.gauge["encoder_queue_images"].set_function(
             lambda: self._queue_depth.queued_images if self._queue_depth is not None else 0
-        )
-        self.encode_seconds = Histogram(
-            METRIC_PREFIX + "encode_seconds",
-            "One encoder run.",
-            buckets=_ENCODE_BUCKETS,
-            registry=r,
-        )
-        self.transfer_seconds = Histogram(
-            METRIC_PREFIX + "transfer_seconds",
-            "One transfer into a receiver.",
-            buckets=_TRANSFER_BUCKETS,
-            registry=r,
-        )
-        self.transfer_bytes = Counter(
-            METRIC_PREFIX + "transfer_bytes", "Bytes written into receivers.", registry=r
-        )
-        self.live_scopes = Gauge(
-            METRIC_PREFIX + "live_scopes", "Request scopes alive now.", registry=r
-        )
-        self.live_registrations = Gauge(
-            METRIC_PREFIX + "live_registrations", "Memory registrations held now.", registry=r
-        )
-        self.arena_registrations = Gauge(
-            METRIC_PREFIX + "arena_registrations",
-            "The arena's own registration: 1 while it is held (the server's whole life), "
-            "never counted in registrations_total or deregistrations_total.",
-            registry=r,
-        )
-        self.registrations = Counter(
-            METRIC_PREFIX + "registrations",
-            "Memory registrations made, the arena's left out (see arena_registrations).",
-            registry=r,
-        )
-        self.quarantined_registrations = Gauge(
-            METRIC_PREFIX + "quarantined_registrations",
-            "Registrations whose deregistration failed; their memory is kept and the "
-            "deregistration retried.",
-            registry=r,
-        )
-        self.quarantined_bytes = Gauge(
-            METRIC_PREFIX + "quarantined_bytes",
-            "Bytes kept alive by quarantined registrations.",
-            registry=r,
-        )
-        self.held_transfers = Gauge(
-            METRIC_PREFIX + "held_transfers",
-            "Sends whose memory is held out of reuse because a transfer the engine stopped "
-            "waiting for may still read it.",
-            registry=r,
-        )
-        self.held_transfer_bytes = Gauge(
-            METRIC_PREFIX + "held_transfer_bytes",
-            "Bytes held out of reuse for transfers the engine stopped waiting for.",
-            registry=r,
-        )
-        self.held_transfer_oldest_seconds = Gauge(
-            METRIC_PREFIX + "held_transfer_oldest_seconds",
-            "Age of the oldest such hold (0 when none).",
-            registry=r,
-        )
-        self.held_transfers_overdue = Counter(
-            METRIC_PREFIX + "held_transfers_overdue",
-            "Holds that outlived the engine's bound: the engine never reported the transfer "
-            "ended; the memory is kept, never reused.",
-            registry=r,
-        )
-        self.deregistrations = Counter(
-            METRIC_PREFIX + "deregistrations",
-            "Memory registrations released, the arena's left out: equal to "
-            "registrations_total once idle.",
-            registry=r,
-        )
-        self.register_seconds = Histogram(
-            METRIC_PREFIX + "register_seconds",
-            "One memory registration (pinning, on RDMA).",
-            buckets=_REGISTER_BUCKETS,
-            registry=r,
-        )
-        self.deregister_seconds = Histogram(
-            METRIC_PREFIX + "deregister_seconds",
-            "One memory deregistration.",
-            buckets=_REGISTER_BUCKETS,
-            registry=r,
-        )
-        self.arena_bytes = Gauge(
-            METRIC_PREFIX + "arena_bytes", "Size of the registered arena (0: none).", registry=r
-        )
-        self.arena_leased_bytes = Gauge(
-            METRIC_PREFIX + "arena_leased_bytes",
-            "Arena bytes held by requests and forwards now.",
-            registry=r,
-        )
-        self.arena_cached_bytes = Gauge(
-            METRIC_PREFIX + "arena_cached_bytes",
-            "Arena bytes kept as the embedding cache (leased or not).",
-            registry=r,
-        )
-        self.arena_fallbacks = Gauge(
-            METRIC_PREFIX + "arena_fallbacks",
-            "Requests whose embedding did not fit in the arena and was registered on its own "
-            "(a count since start).",
-            registry=r,
-        )
-        self.backstop_expiries = Counter(
-            METRIC_PREFIX + "backstop_expiries", "Scopes ended by their deadline.", registry=r
-        )
-        self.scopes_split = Counter(
-            METRIC_PREFIX + "scopes_split",
-            "Scopes ended by their deadline after serving some but not all receivers: a "
-            "request split across encoders (or ranks that never sent).",
-            registry=r,
-        )
-        self.scopes_closed = Counter(
-            METRIC_PREFIX + "scopes_closed", "Scopes ended, by reason.", ["reason"], registry=r
-        )
-        self.engine_errors = Counter(
-            METRIC_PREFIX + "engine_errors",
-            "Transfer-engine calls that returned an error.",
-            ["call", "code"],
-            registry=r,
-        )
-        self.completion_messages = Counter(
-            METRIC_PREFIX + "completion_messages",
-            "SGLang completion messages pushed to prefill ranks, by kind (done, error) and "
-            "result (sent, failed).",
-            ["kind", "result"],
-            registry=r,
         )
         self._arena: Arena | None = None
         # Until attach() names a service, count the live ones from events.
         self._open_scopes = 0
         self._held_registrations = 0
-        self.live_scopes.set_function(lambda: self._open_scopes)
-        self.live_registrations.set_function(lambda: self._held_registrations)
-        # The encoder's own events (EncoderObserver).
-        self.batch_size = Histogram(
-            METRIC_PREFIX + "encoder_batch_size",
-            "Images per forward pass.",
-            buckets=(1, 2, 4, 8, 16, 32, 64),
-            registry=r,
-        )
-        self.forward_seconds = Histogram(
-            METRIC_PREFIX + "encoder_forward_seconds",
-            "One forward pass over a batch.",
-            buckets=_ENCODE_BUCKETS,
-            registry=r,
-        )
-        self.forward_failures = Counter(
-            METRIC_PREFIX + "encoder_forward_failures", "Forward passes that raised.", registry=r
-        )
-        self.queue_wait_seconds = Histogram(
-            METRIC_PREFIX + "encoder_queue_wait_seconds",
-            "Time an image waited for its forward pass.",
-            buckets=_ENCODE_BUCKETS,
-            registry=r,
-        )
-        self.cache_hits = Counter(
-            METRIC_PREFIX + "encoder_cache_hits", "Cached images.", registry=r
-        )
-        self.cache_misses = Counter(
-            METRIC_PREFIX + "encoder_cache_misses", "Images not in the cache.", registry=r
-        )
-        self.cache_bytes = Gauge(
-            METRIC_PREFIX + "encoder_cache_bytes", "Bytes of embeddings cached.", registry=r
-        )
-        self.cache_entries = Gauge(
-            METRIC_PREFIX + "encoder_cache_entries", "Embeddings cached.", registry=r
-        )
-        self.cache_poisoned_images = Counter(
-            METRIC_PREFIX + "encoder_cache_poisoned",
-            "Cached embeddings dropped because their bytes no longer matched the checksum "
-            "recorded when they were written (memory changed behind the encoder's back).",
-            registry=r,
-        )
-        self.encoder_rejected = Counter(
-            METRIC_PREFIX + "encoder_rejected_images",
-            "Images refused because the queue was full.",
-            registry=r,
-        )
-
-        # The cluster-wide store's events (StoreObserver).
-        self.store_up = Gauge(
-            METRIC_PREFIX + "store_connected",
-            "1 while connected to the Mooncake Store master, else 0.",
-            registry=r,
-        )
-        self.store_lookups = Counter(
-            METRIC_PREFIX + "store_lookups",
-            "Images looked up in the cluster-wide store, by result (hit, miss, error, timeout, "
-            "unavailable); all but hit run the forward locally.",
-            ["result"],
-            registry=r,
-        )
-        self.store_puts = Counter(
-            METRIC_PREFIX + "store_puts",
-            "Embeddings offered to the cluster-wide store, by result (stored, failed, timeout, "
-            "dropped).",
-            ["result"],
-            registry=r,
-        )
+        self.gauge["live_scopes"].set_function(lambda: self._open_scopes)
+        self.gauge["live_registrations"].set_function(lambda: self._held_registrations)
 
     def attach(self, service: EncodeService) -> None:
         """Read the live gauges from ``service`` itself from now on."""
-        self.live_scopes.set_function(lambda: len(service.registry))
-        self.live_registrations.set_function(lambda: service.ledger.live_registrations)
-        self.held_transfers.set_function(lambda: service.ledger.held)
-        self.held_transfer_bytes.set_function(lambda: service.ledger.held_bytes)
-        self.held_transfer_oldest_seconds.set_function(lambda: service.ledger.oldest_hold_seconds)
+        self.gauge["live_scopes"].set_function(lambda: len(service.registry))
+        self.gauge["live_registrations"].set_function(lambda: service.ledger.live_registrations)
+        self.gauge["held_transfers"].set_function(lambda: service.ledger.held)
+        self.gauge["held_transfer_bytes"].set_function(lambda: service.ledger.held_bytes)
+        self.gauge["held_transfer_oldest_seconds"].set_function(
+            lambda: service.ledger.oldest_hold_seconds
+        )
         arena = service.encoder.arena
         if arena is not None:
-            self.arena_bytes.set(arena.nbytes)
-            self.arena_leased_bytes.set_function(lambda: arena.leased_bytes)
-            self.arena_cached_bytes.set_function(lambda: arena.cached_bytes)
-            self.arena_fallbacks.set_function(lambda: arena.fallbacks)
+            self.gauge["arena_bytes"].set(arena.nbytes)
+            self.gauge["arena_leased_bytes"].set_function(lambda: arena.leased_bytes)
+            self.gauge["arena_cached_bytes"].set_function(lambda: arena.cached_bytes)
+            self.gauge["arena_fallbacks"].set_function(lambda: arena.fallbacks)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
         return generate_latest(self.registry)
 
     def request_answered(self, route: str, status: int, seconds: float) -> None:
-        self.requests.labels(route=route, status=str(status)).inc()
-        self.request_seconds.labels(route=route).observe(seconds)
+        self.counter["requests_total"].labels(route=route, status=str(status)).inc()
+        self.histogram["request_seconds"].labels(route=route).observe(seconds)
 
     def timed(self, encoder: Encoder) -> Encoder:
         """``encoder`` with every run timed into ``encode_seconds``; its queue depth is read
         into ``encoder_queue_images`` when it can tell it."""
         if isinstance(encoder, QueueDepth):
             self._queue_depth = encoder
-        return _TimedEncoder(encoder, self.encode_seconds)
+        return _TimedEncoder(encoder, self.histogram["encode_seconds"])
 
     # -- LifecycleObserver --------------------------------------------------------------------
 
@@ -363,8 +321,8 @@ class Metrics:
 
     def scope_closed(self, req_id: str, reason: str, seconds: float) -> None:
         self._open_scopes -= 1
-        self.scopes_closed.labels(reason=reason).inc()
-        self.scope_seconds.labels(reason=reason).observe(seconds)
+        self.counter["scopes_closed"].labels(reason=reason).inc()
+        self.histogram["scope_seconds"].labels(reason=reason).observe(seconds)
 
     def watch_arena(self, arena: Arena | None) -> None:
         """Count ``arena``'s own registration in ``arena_registrations``, apart from the
@@ -377,79 +335,80 @@ class Metrics:
     def registered(self, address: int, length: int) -> None:
         self._held_registrations += 1
         if self._is_arena(address):
-            self.arena_registrations.set(1)
+            self.gauge["arena_registrations"].set(1)
         else:
-            self.registrations.inc()
+            self.counter["registrations"].inc()
 
     def deregistered(self, address: int) -> None:
         self._held_registrations -= 1
         if self._is_arena(address):
-            self.arena_registrations.set(0)
+            self.gauge["arena_registrations"].set(0)
         else:
-            self.deregistrations.inc()
+            self.counter["deregistrations"].inc()
 
     def registration_timed(self, call: RegistrationCall, seconds: float) -> None:
-        histogram = self.register_seconds if call == "register" else self.deregister_seconds
-        histogram.observe(seconds)
+        self.histogram[f"{call}_seconds"].observe(seconds)
 
     def transfer_finished(self, req_id: str, nbytes: int, seconds: float) -> None:
-        self.transfer_bytes.inc(nbytes)
-        self.transfer_seconds.observe(seconds)
+        self.counter["transfer_bytes"].inc(nbytes)
+        self.histogram["transfer_seconds"].observe(seconds)
 
     def engine_error(self, call: str, code: int) -> None:
-        self.engine_errors.labels(call=call, code=str(code)).inc()
+        self.counter["engine_errors"].labels(call=call, code=str(code)).inc()
 
     def backstop_expired(self, req_id: str) -> None:
-        self.backstop_expiries.inc()
+        self.counter["backstop_expiries"].inc()
 
     def split_expired(self, req_id: str, served: int, receive_count: int) -> None:
-        self.scopes_split.inc()
+        self.counter["scopes_split"].inc()
 
     def quarantine_changed(self, regions: int, nbytes: int) -> None:
-        self.quarantined_registrations.set(regions)
-        self.quarantined_bytes.set(nbytes)
+        self.gauge["quarantined_registrations"].set(regions)
+        self.gauge["quarantined_bytes"].set(nbytes)
 
     def completion_pushed(self, kind: str, *, ok: bool) -> None:
-        self.completion_messages.labels(kind=kind, result="sent" if ok else "failed").inc()
+        self.counter["completion_messages"].labels(
+            kind=kind, result="sent" if ok else "failed"
+        ).inc()
 
     def transfer_hold_overdue(self, nbytes: int) -> None:
-        self.held_transfers_overdue.inc()
+        self.counter["held_transfers_overdue"].inc()
 
     # -- EncoderObserver ----------------------------------------------------------------------
 
     def batch_finished(self, images: int, forward_seconds: float, ok: bool) -> None:
-        self.batch_size.observe(images)
-        self.forward_seconds.observe(forward_seconds)
+        self.histogram["encoder_batch_size"].observe(images)
+        self.histogram["encoder_forward_seconds"].observe(forward_seconds)
         if not ok:
-            self.forward_failures.inc()
+            self.counter["encoder_forward_failures"].inc()
 
     def queue_waited(self, seconds: float) -> None:
-        self.queue_wait_seconds.observe(seconds)
+        self.histogram["encoder_queue_wait_seconds"].observe(seconds)
 
     def cache_looked_up(self, hits: int, misses: int) -> None:
-        self.cache_hits.inc(hits)
-        self.cache_misses.inc(misses)
+        self.counter["encoder_cache_hits"].inc(hits)
+        self.counter["encoder_cache_misses"].inc(misses)
 
     def cache_size(self, nbytes: int, entries: int) -> None:
-        self.cache_bytes.set(nbytes)
-        self.cache_entries.set(entries)
+        self.gauge["encoder_cache_bytes"].set(nbytes)
+        self.gauge["encoder_cache_entries"].set(entries)
 
     def rejected(self, images: int) -> None:
-        self.encoder_rejected.inc(images)
+        self.counter["encoder_rejected_images"].inc(images)
 
     def cache_poisoned(self, images: int) -> None:
-        self.cache_poisoned_images.inc(images)
+        self.counter["encoder_cache_poisoned"].inc(images)
 
     # -- StoreObserver ------------------------------------------------------------------------
 
     def store_connected(self, connected: bool) -> None:
-        self.store_up.set(1 if connected else 0)
+        self.gauge["store_connected"].set(1 if connected else 0)
 
     def store_looked_up(self, result: str, images: int) -> None:
-        self.store_lookups.labels(result=result).inc(images)
+        self.counter["store_lookups"].labels(result=result).inc(images)
 
     def store_put(self, result: str) -> None:
-        self.store_puts.labels(result=result).inc()
+        self.counter["store_puts"].labels(result=result).inc()
 
 
 class _TimedEncoder:
