@@ -71,6 +71,20 @@ past Mooncake's own timeout but not ended) means the batch may still read its so
 C = TypeVar("C", bound=Callable[[], int])
 
 
+def _check_once(checks: Sequence[C]) -> tuple[list[C], int]:
+    """Ask each check once: those that have not ended, and :data:`FAILED` if any failed
+    (else 0)."""
+    still: list[C] = []
+    code = 0
+    for check in checks:
+        status = check()
+        if status == FAILED:
+            code = FAILED
+        elif status != DONE:
+            still.append(check)
+    return still, code
+
+
 def wait_until_done(
     checks: Sequence[C],
     timeout: float,
@@ -93,14 +107,8 @@ def wait_until_done(
     start = clock()
     pause = _FIRST_POLL
     while True:
-        still = []
-        for check in pending:
-            status = check()
-            if status == FAILED:
-                code = code or FAILED
-            elif status != DONE:
-                still.append(check)
-        pending = still
+        pending, failed = _check_once(pending)
+        code = code or failed
         if not pending:
             return code, []
         waited = clock() - start
@@ -160,17 +168,7 @@ def write_segments(
 def _poll(batches: Sequence[Sequence[Batch]]) -> list[tuple[list[Batch], int]]:
     """In a worker thread: each group's batches that have not ended, and its first failure's
     code (0 if none failed)."""
-    answers = []
-    for group in batches:
-        still, code = [], 0
-        for batch in group:
-            status = batch()
-            if status == FAILED:
-                code = code or FAILED
-            elif status != DONE:
-                still.append(batch)
-        answers.append((still, code))
-    return answers
+    return [_check_once(group) for group in batches]
 
 
 @dataclass(eq=False)
