@@ -79,6 +79,30 @@ class Encoder(Protocol):
         ...
 
 
+class PassThroughEncoder:
+    """Passes every call to ``inner``: the base of wrappers that change only some calls."""
+
+    def __init__(self, inner: Encoder) -> None:
+        self._inner = inner
+
+    @property
+    def ready(self) -> bool:
+        return self._inner.ready
+
+    @property
+    def arena(self) -> Arena | None:
+        return self._inner.arena
+
+    async def load_items(self, items: Sequence[str]) -> list[bytes]:
+        return await self._inner.load_items(items)
+
+    async def encode(self, images: Sequence[bytes]) -> EmbeddingMemory:
+        return await self._inner.encode(images)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        await self._inner.run(task_status=task_status)
+
+
 @pydantic_dataclass(frozen=True, config=ConfigDict(extra="forbid"))
 class ServiceSettings:
     """What the request scopes obey."""

@@ -31,6 +31,7 @@ from prometheus_client import (
 )
 
 from trio_encode.observer import METRIC_PREFIX, RegistrationCall
+from trio_encode.service import PassThroughEncoder
 
 if TYPE_CHECKING:
     from trio_encode.arena import Arena
@@ -411,29 +412,15 @@ class Metrics:
         self.counter["store_puts"].labels(result=result).inc()
 
 
-class _TimedEncoder:
-    """Delegates to an encoder and times each ``encode`` (only runs that return are timed)."""
+class _TimedEncoder(PassThroughEncoder):
+    """Times each ``encode`` of ``inner`` (only runs that return are timed)."""
 
-    def __init__(self, encoder: Encoder, histogram: Histogram) -> None:
-        self._encoder = encoder
+    def __init__(self, inner: Encoder, histogram: Histogram) -> None:
+        super().__init__(inner)
         self._histogram = histogram
-
-    @property
-    def ready(self) -> bool:
-        return self._encoder.ready
-
-    @property
-    def arena(self) -> Arena | None:
-        return self._encoder.arena
-
-    async def load_items(self, items: Sequence[str]) -> list[bytes]:
-        return await self._encoder.load_items(items)
 
     async def encode(self, images: Sequence[bytes]) -> EmbeddingMemory:
         started = trio.current_time()
-        embedding = await self._encoder.encode(images)
+        embedding = await self._inner.encode(images)
         self._histogram.observe(trio.current_time() - started)
         return embedding
-
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        await self._encoder.run(task_status=task_status)

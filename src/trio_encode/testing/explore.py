@@ -32,12 +32,11 @@ import trio
 import trio.testing
 from trio._core import _run as _trio_run
 
-from trio_encode.arena import Arena
 from trio_encode.engine import TRANSFER_FAILED, EngineError
 from trio_encode.errors import RequestError, RequestReleased
 from trio_encode.observer import NullObserver
 from trio_encode.request_types import EmbeddingMemory, Receiver
-from trio_encode.service import Encoder, EncodeService, ServiceSettings
+from trio_encode.service import Encoder, EncodeService, PassThroughEncoder, ServiceSettings
 from trio_encode.testing.memory_engine import (
     CALL_KINDS,
     CallKind,
@@ -270,7 +269,7 @@ class _Latencies:
         return stream.randint(1, max(1, int(bound * 4))) / 4
 
 
-class _ThreadLikeEncoder:
+class _ThreadLikeEncoder(PassThroughEncoder):
     """Wraps an encoder so its calls take seeded virtual time the way the real one's do.
 
     ``load_items`` runs in a worker thread in the real encoder, so here it is shielded: a
@@ -280,7 +279,7 @@ class _ThreadLikeEncoder:
     """
 
     def __init__(self, inner: Encoder, latencies: _Latencies, *, shared: bool) -> None:
-        self._inner = inner
+        super().__init__(inner)
         self._latencies = latencies
         self._shared = shared
         self._cache: weakref.WeakValueDictionary[tuple[bytes, ...], Any] = (
@@ -292,14 +291,6 @@ class _ThreadLikeEncoder:
         """Tasks whose ``load_items`` returned."""
         self.handed_out: list[tuple[weakref.ref[Any], int, int]] = []
         self.on_drop: Callable[[int, int], None] = lambda address, nbytes: None
-
-    @property
-    def ready(self) -> bool:
-        return self._inner.ready
-
-    @property
-    def arena(self) -> Arena | None:
-        return self._inner.arena
 
     async def load_items(self, items: Sequence[str]) -> list[bytes]:
         task = trio.lowlevel.current_task()
@@ -326,9 +317,6 @@ class _ThreadLikeEncoder:
         if self._shared:
             self._cache[key] = embedding
         return embedding
-
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        await self._inner.run(task_status=task_status)
 
 
 class _RecordingEngine:
