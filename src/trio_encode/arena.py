@@ -33,6 +33,40 @@ ALIGN = 4096
 line two threads write."""
 
 
+class FreeRanges:
+    """The free ``(offset, length)`` ranges of a pool, sorted, neighbours merged: taken first
+    fit, given back merged so large ranges stay possible."""
+
+    def __init__(self, nbytes: int) -> None:
+        self._ranges: list[tuple[int, int]] = [(0, nbytes)]
+
+    @property
+    def total(self) -> int:
+        return sum(length for _, length in self._ranges)
+
+    def take(self, size: int) -> int | None:
+        """The offset of ``size`` bytes now taken from the first range that holds them."""
+        for index, (offset, length) in enumerate(self._ranges):
+            if length >= size:
+                if length == size:
+                    del self._ranges[index]
+                else:
+                    self._ranges[index] = (offset + size, length - size)
+                return offset
+        return None
+
+    def give(self, offset: int, size: int) -> None:
+        index = bisect.bisect(self._ranges, (offset, size))
+        self._ranges.insert(index, (offset, size))
+        merged: list[tuple[int, int]] = []
+        for start, length in self._ranges:
+            if merged and merged[-1][0] + merged[-1][1] == start:
+                merged[-1] = (merged[-1][0], merged[-1][1] + length)
+            else:
+                merged.append((start, length))
+        self._ranges = merged
+
+
 @dataclass(eq=False)
 class Segment:
     """``nbytes`` bytes of the arena at ``offset``; alive while leased or cached."""
@@ -76,7 +110,7 @@ class Arena:
         self.address = ctypes.addressof(ctypes.c_char.from_buffer(self._memory))
         self.cache_bytes = self.nbytes if cache_bytes is None else min(cache_bytes, self.nbytes)
         """At most this many bytes stay cached once no request leases them (0: none)."""
-        self._free: list[tuple[int, int]] = [(0, self.nbytes)]  # (offset, length), sorted
+        self._free = FreeRanges(self.nbytes)
         self._cached: OrderedDict[Hashable, Segment] = OrderedDict()  # LRU first
         self._leased_bytes = 0
         self._cached_bytes = 0
@@ -98,7 +132,7 @@ class Arena:
 
     @property
     def free_bytes(self) -> int:
-        return sum(length for _, length in self._free)
+        return self._free.total
 
     def __len__(self) -> int:
         """Segments cached now."""
@@ -121,7 +155,7 @@ class Arena:
         if nbytes <= 0:
             raise ValueError(f"a segment needs a positive size, got {nbytes}")
         size = _reserved(nbytes)
-        while (offset := self._take(size)) is None:
+        while (offset := self._free.take(size)) is None:
             if not self._evict_one():
                 return None
         self._leased_bytes += size
@@ -185,16 +219,6 @@ class Arena:
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _take(self, size: int) -> int | None:
-        for index, (offset, length) in enumerate(self._free):
-            if length >= size:
-                if length == size:
-                    del self._free[index]
-                else:
-                    self._free[index] = (offset + size, length - size)
-                return offset
-        return None
-
     def _wake(self) -> None:
         """Wake every :meth:`allocate_by` waiter to try again."""
         self._released.set()
@@ -204,16 +228,7 @@ class Arena:
         """Return a segment's bytes to the free list, and wake the waiters: whatever freed
         them (a release, an eviction by :meth:`keep` or :meth:`allocate`), there is room."""
         segment.freed = True
-        size = _reserved(segment.nbytes)
-        index = bisect.bisect(self._free, (segment.offset, size))
-        self._free.insert(index, (segment.offset, size))
-        merged: list[tuple[int, int]] = []
-        for start, length in self._free:
-            if merged and merged[-1][0] + merged[-1][1] == start:
-                merged[-1] = (merged[-1][0], merged[-1][1] + length)
-            else:
-                merged.append((start, length))
-        self._free = merged
+        self._free.give(segment.offset, _reserved(segment.nbytes))
         self._wake()
 
     def _evict_one(self) -> bool:

@@ -15,7 +15,6 @@ where they may still arrive. :meth:`LandingSlot.verify` stays the check before a
 
 from __future__ import annotations
 
-import bisect
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -24,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import trio
 
+from trio_encode.arena import FreeRanges
 from trio_encode.embedding import TORCH_DTYPES, checksum_of
 from trio_encode.engine import TransferEngine
 
@@ -127,7 +127,7 @@ class LandingPool:
         self.stale_seconds = stale_seconds
         """Seconds a quarantined slot stays out of use (:data:`STALE_SECONDS` by default)."""
         self._clock = clock
-        self._free_ranges: list[tuple[int, int]] = [(0, tensor.numel())]  # (offset, length)
+        self._free_ranges = FreeRanges(tensor.numel())
         self._quarantined: list[tuple[float, int, int]] = []  # (usable again at, offset, length)
 
     @classmethod
@@ -171,7 +171,7 @@ class LandingPool:
     def free_bytes(self) -> int:
         """Bytes free for new slots now (quarantined ranges whose time has come included)."""
         self._reclaim()
-        return sum(length for _, length in self._free_ranges)
+        return self._free_ranges.total
 
     @property
     def quarantined_bytes(self) -> int:
@@ -186,13 +186,9 @@ class LandingPool:
             raise ValueError("a slot needs a positive size")
         self._reclaim()
         size = -(-nbytes // _ALIGN) * _ALIGN
-        for index, (offset, length) in enumerate(self._free_ranges):
-            if length >= size:
-                if length == size:
-                    del self._free_ranges[index]
-                else:
-                    self._free_ranges[index] = (offset + size, length - size)
-                return LandingSlot(self, offset, size)
+        offset = self._free_ranges.take(size)
+        if offset is not None:
+            return LandingSlot(self, offset, size)
         raise PoolExhausted(
             f"no free {size}-byte range in the landing pool ({self.free_bytes} bytes free, "
             f"{self.quarantined_bytes} quarantined after failed sends)"
@@ -213,13 +209,4 @@ class LandingPool:
                 self._free(offset, length)
 
     def _free(self, offset: int, length: int) -> None:
-        index = bisect.bisect(self._free_ranges, (offset, length))
-        self._free_ranges.insert(index, (offset, length))
-        # Merge with the neighbours so large slots stay possible.
-        merged: list[tuple[int, int]] = []
-        for start, size in self._free_ranges:
-            if merged and merged[-1][0] + merged[-1][1] == start:
-                merged[-1] = (merged[-1][0], merged[-1][1] + size)
-            else:
-                merged.append((start, size))
-        self._free_ranges = merged
+        self._free_ranges.give(offset, length)
