@@ -10,7 +10,7 @@ import torch
 import trio
 import trio.testing
 
-from test_encoder_batcher import (
+from support.fake_encoder import (
     FORWARD_SECONDS,
     SETTINGS,
     Events,

@@ -8,123 +8,28 @@ from __future__ import annotations
 
 import base64
 import itertools
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from dataclasses import replace
-from typing import TypeVar
 
 import pytest
-import torch
 import trio
 import trio.testing
 
-from trio_encode.embedding import Embedding
-from trio_encode.encoder import EncoderSettings, ImageEncoder, Preprocess
-from trio_encode.errors import EncodeFailed, InvalidInput, NotReady, Overloaded, ShuttingDown
-from trio_encode.testing.images import solid_image
-
-T = TypeVar("T")
-FORWARD_SECONDS = 1.0
-SETTINGS = EncoderSettings(
-    max_batch_size=4, max_batch_wait=0.01, queue_size=8, cache_bytes=0, warmup=False
+from support.fake_encoder import (
+    FORWARD_SECONDS,
+    SETTINGS,
+    FakeBackend,
+    SlowForward,
+    T,
+    image,
+    inline,
+    make,
+    reds,
+    serving,
 )
-
-
-class FakeBackend:
-    """Each image's embedding is its colour: row ``(r, g, b)`` in every token."""
-
-    model_id = "fake"
-    preprocess = Preprocess(image_size=4, mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0))
-    tokens_per_image = 2
-    hidden_size = 3
-    dtype = torch.float32
-
-    def __init__(self) -> None:
-        self.batches: list[list[int]] = []
-        self.fail = False
-
-    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        red = [round(float(v) * 255) for v in pixels[:, 0, 0, 0]]
-        self.batches.append(red)
-        if self.fail:
-            raise RuntimeError("out of cheese")
-        colour = pixels[:, :, 0, 0] * 255
-        return colour.unsqueeze(1).expand(-1, 2, 3).round().contiguous()
-
-    @property
-    def encoded(self) -> list[int]:
-        return [red for batch in self.batches for red in batch]
-
-
-class Events:
-    """An EncoderObserver that writes everything down."""
-
-    def __init__(self) -> None:
-        self.batches: list[tuple[int, bool]] = []
-        self.waits: list[float] = []
-        self.lookups: list[tuple[int, int]] = []
-        self.sizes: list[tuple[int, int]] = []
-        self.rejections: list[int] = []
-
-    def batch_finished(self, images: int, forward_seconds: float, ok: bool) -> None:
-        self.batches.append((images, ok))
-
-    def queue_waited(self, seconds: float) -> None:
-        self.waits.append(seconds)
-
-    def cache_looked_up(self, hits: int, misses: int) -> None:
-        self.lookups.append((hits, misses))
-
-    def cache_size(self, nbytes: int, entries: int) -> None:
-        self.sizes.append((nbytes, entries))
-
-    def rejected(self, images: int) -> None:
-        self.rejections.append(images)
-
-    def cache_poisoned(self, images: int) -> None:
-        raise AssertionError(f"{images} cached embeddings found poisoned")
-
-
-async def inline(fn: Callable[[], T]) -> T:
-    return fn()
-
-
-class SlowForward:
-    """Runs the forward inline after FORWARD_SECONDS of virtual time."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-
-    async def __call__(self, fn: Callable[[], T]) -> T:
-        self.calls += 1
-        await trio.sleep(FORWARD_SECONDS)
-        return fn()
-
-
-def image(red: int) -> bytes:
-    """A tiny image whose red value the fake backend's embedding shows."""
-    return solid_image(4, 4, (red, 7, 9))
-
-
-def reds(embedding: Embedding) -> list[int]:
-    return [int(v) for v in embedding.tensor[:, 0]]
-
-
-def make(settings: EncoderSettings = SETTINGS) -> tuple[ImageEncoder, FakeBackend, Events]:
-    backend = FakeBackend()
-    events = Events()
-    encoder = ImageEncoder(
-        backend, settings, observer=events, run_decode=inline, run_forward=SlowForward()
-    )
-    return encoder, backend, events
-
-
-@asynccontextmanager
-async def serving(encoder: ImageEncoder) -> AsyncIterator[trio.Nursery]:
-    async with trio.open_nursery() as nursery:
-        await nursery.start(encoder.run)
-        yield nursery
-        nursery.cancel_scope.cancel()
+from trio_encode.embedding import Embedding
+from trio_encode.encoder import ImageEncoder
+from trio_encode.errors import EncodeFailed, InvalidInput, NotReady, Overloaded, ShuttingDown
 
 
 async def test_concurrent_requests_share_one_forward(

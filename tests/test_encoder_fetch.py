@@ -14,7 +14,7 @@ import pytest
 import torch
 import trio
 
-from test_encoder_batcher import FakeBackend, inline
+from support.fake_encoder import FakeBackend, inline
 from trio_encode.encoder import ImageEncoder
 from trio_encode.encoder.fetch import FetchPolicy, RemoteFetcher, is_remote
 from trio_encode.encoder.settings import EncoderSettings

@@ -13,7 +13,7 @@ import pytest
 import torch
 import trio
 
-from test_encoder_batcher import SETTINGS, image, inline, serving
+from support.fake_encoder import SETTINGS, image, inline, serving
 from test_encoder_store_level import Fingerprinted
 from trio_encode.arena import Arena
 from trio_encode.embedding import ArenaEmbedding

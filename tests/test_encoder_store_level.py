@@ -9,7 +9,7 @@ import torch
 import trio
 import trio.testing
 
-from test_encoder_batcher import SETTINGS, FakeBackend, SlowForward, image, inline, reds, serving
+from support.fake_encoder import SETTINGS, FakeBackend, SlowForward, image, inline, reds, serving
 from trio_encode.encoder import ImageEncoder
 
 FORWARD = 1.0
