@@ -551,3 +551,30 @@ def test_the_token_can_come_from_a_file(tmp_path: Path) -> None:
     path.write_text("\n")
     with pytest.raises(ValueError, match="is empty"):
         ServerSettings.exactly(token_file=path)
+
+
+def test_engine_ports_open_on_every_interface_are_found_and_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The start-up check that names the transfer engine's ports listening on all interfaces
+    (Mooncake binds them so, whatever its hostname): a socket on 0.0.0.0 is found and logged,
+    one on loopback is found and not logged."""
+    import socket
+
+    from trio_encode.server.listeners import listening_sockets
+    from trio_encode.server.serve import warn_open_engine_ports
+
+    before = listening_sockets()
+    with socket.socket() as wide, socket.socket() as narrow:
+        wide.bind(("0.0.0.0", 0))
+        narrow.bind(("127.0.0.1", 0))
+        wide.listen()
+        narrow.listen()
+        opened = listening_sockets() - before
+        wide_port, narrow_port = wide.getsockname()[1], narrow.getsockname()[1]
+    assert opened == {("0.0.0.0", wide_port), ("127.0.0.1", narrow_port)}
+    with caplog.at_level(logging.WARNING):
+        warn_open_engine_ports(opened)
+    (record,) = caplog.records
+    assert f"0.0.0.0:{wide_port}" in record.getMessage()
+    assert str(narrow_port) not in record.getMessage()
