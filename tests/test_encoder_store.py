@@ -13,8 +13,7 @@ import pytest
 import torch
 import trio
 
-from support.fake_encoder import SETTINGS, image, inline, serving
-from test_encoder_store_level import Fingerprinted
+from support.fake_encoder import SETTINGS, Fingerprinted, image, inline, serving
 from trio_encode.arena import Arena
 from trio_encode.embedding import ArenaEmbedding
 from trio_encode.encoder import CacheKey, ImageEncoder

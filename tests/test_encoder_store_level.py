@@ -9,7 +9,16 @@ import torch
 import trio
 import trio.testing
 
-from support.fake_encoder import SETTINGS, FakeBackend, SlowForward, image, inline, reds, serving
+from support.fake_encoder import (
+    SETTINGS,
+    FakeBackend,
+    Fingerprinted,
+    SlowForward,
+    image,
+    inline,
+    reds,
+    serving,
+)
 from trio_encode.encoder import ImageEncoder
 
 FORWARD = 1.0
@@ -43,10 +52,6 @@ class DictStore:
         self.entries[key] = tensor.clone()
         if done is not None:
             done()
-
-
-class Fingerprinted(FakeBackend):
-    fingerprint = "fake-model"
 
 
 def make(store: DictStore, backend: FakeBackend | None = None) -> tuple[ImageEncoder, FakeBackend]:

@@ -25,7 +25,7 @@ import trio
 
 from support.engines import DEAD_SESSION, RankEngines
 from support.harness import Harness, landing_pools, serving
-from test_encoder_fetch import web_server
+from support.web_server import web_server
 from test_http_real_encoder import SMALL
 from trio_encode.client import metric_value
 from trio_encode.encoder import ImageEncoder

@@ -117,3 +117,9 @@ async def serving(encoder: ImageEncoder) -> AsyncIterator[trio.Nursery]:
         await nursery.start(encoder.run)
         yield nursery
         nursery.cancel_scope.cancel()
+
+
+class Fingerprinted(FakeBackend):
+    """A fake backend with a model fingerprint, so a cross-server store may key its output."""
+
+    fingerprint = "fake-model"
