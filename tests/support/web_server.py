@@ -11,7 +11,6 @@ from functools import partial
 import trio
 
 
-
 @dataclass
 class WebServer:
     """A minimal HTTP/1.1 server: each path answers with a canned status, headers and body."""
