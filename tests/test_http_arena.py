@@ -16,7 +16,7 @@ import trio
 
 from support.engines import TP, RankEngines
 from support.harness import landing_pools, serving
-from test_http_real_encoder import SMALL, direct
+from support.models import SMALL, direct
 from trio_encode.client import EncodeClient, LandingPool, LandingSlot, metric_value
 from trio_encode.encoder import ImageEncoder
 from trio_encode.testing.images import noise_uri

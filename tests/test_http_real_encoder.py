@@ -13,31 +13,10 @@ import trio
 
 from support.engines import TP, RankEngines
 from support.harness import landing_pools, serving
+from support.models import SMALL, direct
 from trio_encode.client import LandingSlot, metric_value
-from trio_encode.encoder import EncoderSettings, ImageEncoder
-from trio_encode.encoder.images import load_item
+from trio_encode.encoder import ImageEncoder
 from trio_encode.testing.images import noise_uri
-
-SMALL = EncoderSettings(
-    image_size=64,
-    patch_size=16,
-    width=64,
-    depth=2,
-    heads=2,
-    hidden_size=256,
-    max_batch_size=8,
-    arena_bytes=0,  # these tests are about per-request registration; test_http_arena has the arena
-)
-
-
-def direct(encoder: ImageEncoder, uris: list[str]) -> torch.Tensor:
-    """The embedding computed by the model directly, one image at a time, no server."""
-    rows = []
-    for data in [load_item(uri, max_bytes=SMALL.max_image_bytes) for uri in uris]:
-        image = encoder.model.decode(data, max_pixels=SMALL.max_image_pixels)
-        with torch.inference_mode():
-            rows.append(encoder.model.encode([image])[0])
-    return torch.cat(rows)
 
 
 async def test_tp4_ranks_with_the_real_encoder_every_byte_checked(

@@ -25,8 +25,8 @@ import trio
 
 from support.engines import DEAD_SESSION, RankEngines
 from support.harness import Harness, landing_pools, serving
+from support.models import SMALL
 from support.web_server import web_server
-from test_http_real_encoder import SMALL
 from trio_encode.client import metric_value
 from trio_encode.encoder import ImageEncoder
 from trio_encode.encoder import backend as backend_module

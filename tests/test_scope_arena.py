@@ -8,53 +8,19 @@ overwritten under a transfer).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
-
 import torch
 import trio
 import trio.testing
 
-from support.lifecycle_rig import Rig, gather_sends, lifecycle_rig
-from trio_encode.arena import Arena, Segment
+from support.arena_rig import SEGMENT, arena_rig, fill, opener
+from support.lifecycle_rig import gather_sends
+from trio_encode.arena import Segment
 from trio_encode.embedding import ArenaEmbedding
-from trio_encode.ledger import Lease
 from trio_encode.request_types import SendReport
-
-ROWS, DIM = 64, 32
-SEGMENT = ROWS * DIM * 4
-
-
-def fill(arena: Arena, seed: int) -> tuple[Segment, torch.Tensor]:
-    """A segment holding a (ROWS, DIM) float32 row drawn from ``seed``."""
-    segment = arena.allocate(SEGMENT)
-    assert segment is not None
-    view = torch.frombuffer(segment.buffer, dtype=torch.uint8).view(torch.float32)
-    view = view.view(ROWS, DIM)
-    view.copy_(torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(seed)))
-    return segment, view
 
 
 def expected_bytes(parts: list[tuple[Segment, torch.Tensor]]) -> bytes:
     return b"".join(bytes(segment.buffer) for segment, _ in parts)
-
-
-@asynccontextmanager
-async def arena_rig(**kwargs: float) -> AsyncIterator[tuple[Rig, Arena, Lease]]:
-    """A lifecycle rig whose ledger holds a registered arena, as the service sets it up."""
-    async with lifecycle_rig(**kwargs) as rig:
-        arena = Arena(1 << 20)
-        lease = await rig.ledger.acquire(arena.address, arena.nbytes, owner=arena)
-        yield rig, arena, lease
-
-
-def opener(embedding: ArenaEmbedding) -> Callable[[], Awaitable[ArenaEmbedding]]:
-    """An encode callable handing over ``embedding`` and the segment leases it holds."""
-
-    async def encode() -> ArenaEmbedding:
-        return embedding
-
-    return encode
 
 
 async def test_a_request_in_the_arena_registers_nothing_and_lands_every_byte(

@@ -14,8 +14,8 @@ import pytest
 import trio
 import trio.testing
 
+from support.arena_rig import SEGMENT, arena_rig, fill, opener
 from support.lifecycle_rig import lifecycle_rig
-from test_scope_arena import SEGMENT, arena_rig, fill, opener
 from trio_encode.embedding import ArenaEmbedding
 from trio_encode.engine import EngineError
 
