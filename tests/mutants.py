@@ -290,8 +290,8 @@ MUTANTS: dict[str, Mutant] = {
     ),
     "Mooncake's own timeout status taken for an end (failure 19)": Mutant(
         "engine/mooncake.py",
-        "            elif status != DONE:\n                still.append(check)",
-        "            elif status == 0:\n                still.append(check)",
+        "        elif status != DONE:\n            still.append(check)",
+        "        elif status == 0:\n            still.append(check)",
         ("tests/test_engine_polling.py::test_mooncakes_own_timeout_status_is_not_an_end",),
     ),
 }
