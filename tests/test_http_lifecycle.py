@@ -155,11 +155,14 @@ async def test_shutdown_with_transfers_in_flight_releases_everything(
     slots: dict[tuple[int, int], LandingSlot] = {}
     async with landing_pools(rank_engines, requests * SIZE + 4096) as pools:
         async with serving(engine, shutdown_grace=0.5) as harness:
+            encoded = trio.Event()
 
             async def rank(req: int, r: int) -> None:
                 items = [image_uri(IMAGE + bytes([req]))]
                 await harness.client.encode(f"inflight-{req}", items, receive_count=TP)
                 slots[req, r] = pools[r].allocate(SIZE)
+                if len(slots) == requests * TP:
+                    encoded.set()
                 await harness.client.send(
                     f"inflight-{req}", pools[r].session_id, slots[req, r].address
                 )
@@ -168,7 +171,9 @@ async def test_shutdown_with_transfers_in_flight_releases_everything(
                 for req in range(requests):
                     for r in range(TP):
                         nursery.start_soon(rank, req, r)
-                await trio.sleep(0.5)  # every transfer is now sleeping in its thread
+                with trio.fail_after(30):  # every /encode answered, however loaded the host
+                    await encoded.wait()
+                await trio.sleep(0.5)  # every transfer is now sleeping in its thread (2 s)
                 harness.running.stop()
                 await trio.sleep(0.1)
                 async with httpx.AsyncClient(base_url=harness.running.url) as http:
