@@ -281,6 +281,11 @@ async def test_many_requests_at_once_in_both_orders(rank_engines: RankEngines) -
         await harness.settled()
 
 
+# "At once" for a pull over real HTTP on a shared machine: far below the 180 s pull timeout it
+# would otherwise wait for, with room for a loaded scheduler.
+AT_ONCE = 5.0
+
+
 async def timed_pull(http: httpx.AsyncClient, req_id: str, part_idx: int) -> tuple[float, Any]:
     started = trio.current_time()
     response = await http.post(
@@ -317,7 +322,7 @@ async def test_a_failed_encode_fails_every_rank_with_its_message(rank_engines: R
         async with httpx.AsyncClient(base_url=harness.running.url) as http:
             for part_idx in (0, 1):
                 seconds, late = await timed_pull(http, part_req_id("rid-f", part_idx), part_idx)
-                assert seconds < 0.1
+                assert seconds < AT_ONCE
                 assert late.status_code == 500
                 assert "stand-in encoder told to fail" in late.json()["message"]
 
@@ -326,7 +331,7 @@ async def test_a_bad_image_answers_pulls_at_once_also_those_after_it(
     rank_engines: RankEngines,
 ) -> None:
     """An image found undecodable while encoding: the /encode gets 400, and so does every
-    pull, those waiting and those arriving after the failure, within 100 ms (not at the
+    pull, those waiting and those arriving after the failure, at once (not at the
     180 s pull timeout), while a corrected /encode may still reuse the id."""
     items = [[image_uri(b"BAD image" * 30)]]
     async with (
@@ -339,7 +344,7 @@ async def test_a_bad_image_answers_pulls_at_once_also_those_after_it(
             assert rank.error == (400, "mm_items[0]: cannot decode the image")
         async with httpx.AsyncClient(base_url=harness.running.url) as http:
             seconds, late = await timed_pull(http, part_req_id("rid-bad", 0), 0)
-            assert seconds < 0.1
+            assert seconds < AT_ONCE
             assert late.status_code == 400
             assert late.json()["message"] == "mm_items[0]: cannot decode the image"
             body = tokenizer_bodies("rid-bad", [[image_uri(b"good" * 30)]])[0]
