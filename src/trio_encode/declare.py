@@ -1,15 +1,16 @@
 """How one setting is declared: a pydantic field that also carries where ``--help`` lists it.
 
-Every setting of the package is a field made by :func:`setting` in the settings model of the
-layer that obeys it (the scopes, the engine, the encoder, the HTTP server). Its type, default,
-bounds and help are stated there once; the command line, the ``TRIO_ENCODE_*`` variables, the
+Every setting of the package is a field made by :func:`setting` (through :func:`in_group`, so a
+model names each ``--help`` section once) in the settings model of the layer that obeys it (the
+scopes, the engine, the encoder, the HTTP server). Its type, default, bounds and help are stated
+there once; the command line, the ``TRIO_ENCODE_*`` variables, the
 config file and the docs are all generated from that field, so adding a setting is adding a
 field.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, get_args
+from typing import Any, Literal, Protocol, get_args
 
 from pydantic import Field
 
@@ -37,6 +38,26 @@ def setting(
     if "default_factory" in constraints:
         return Field(description=help, json_schema_extra=extra, **constraints)
     return Field(default, description=help, json_schema_extra=extra, **constraints)
+
+
+class GroupSetting(Protocol):
+    """:func:`setting` with its ``--help`` group already chosen."""
+
+    def __call__(
+        self, default: Any = None, *, help: str, flags: tuple[str, ...] = (), **constraints: Any
+    ) -> Any: ...
+
+
+def in_group(group: Group) -> GroupSetting:
+    """:func:`setting` for the fields of one ``--help`` section, so a settings model names its
+    section once (``server_setting = in_group("server")``), not on every field."""
+
+    def grouped_setting(
+        default: Any = None, *, help: str, flags: tuple[str, ...] = (), **constraints: Any
+    ) -> Any:
+        return setting(default, group=group, help=help, flags=flags, **constraints)
+
+    return grouped_setting
 
 
 def comma_separated(value: Any) -> Any:

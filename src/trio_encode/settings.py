@@ -37,7 +37,7 @@ from pydantic_settings import (
     SettingsError,
 )
 
-from trio_encode.declare import Group, comma_separated, setting
+from trio_encode.declare import Group, comma_separated, in_group
 from trio_encode.encoder.settings import EncoderSettings
 from trio_encode.engine.mooncake import MooncakeSettings, default_progress_timeout
 from trio_encode.receivers import ReceiverPolicy
@@ -77,6 +77,10 @@ SECTIONS: dict[str, tuple[type[Any], str]] = {
 and the prefix of its fields' flat names."""
 
 
+server_setting = in_group("server")
+logging_setting = in_group("logging")
+
+
 class ServerSettings(BaseSettings):
     """How the HTTP server, the request scopes, the transfer engine and the encoder are set up.
 
@@ -87,79 +91,69 @@ class ServerSettings(BaseSettings):
 
     model_config = SettingsConfigDict(frozen=True, extra="forbid")
 
-    config: Path | None = setting(
+    config: Path | None = server_setting(
         None,
-        group="server",
         help="A TOML file of settings, keyed by the flags' names with underscores (e.g. "
         'port = 9000, engine_protocol = "rdma", cache_bytes = "1GiB"); flags and '
         "TRIO_ENCODE_* variables override it.",
     )
-    host: str = setting("127.0.0.1", group="server", help="Address to listen on.")
-    port: int = setting(
+    host: str = server_setting("127.0.0.1", help="Address to listen on.")
+    port: int = server_setting(
         8000,
-        group="server",
         ge=0,
         le=65535,
         help="Port to listen on; 0 picks a free one and logs it.",
     )
-    max_body_bytes: ByteSize = setting(
-        64 * MiB, group="server", gt=0, help="Larger request bodies are refused with 413."
+    max_body_bytes: ByteSize = server_setting(
+        64 * MiB, gt=0, help="Larger request bodies are refused with 413."
     )
-    max_control_body_bytes: ByteSize = setting(
+    max_control_body_bytes: ByteSize = server_setting(
         64 * KiB,
-        group="server",
         gt=0,
         help="Bodies of every route but /encode (/send, pulls: a few hundred bytes); larger "
         "ones are refused with 413 as they arrive.",
     )
-    max_sends_per_client: int = setting(
+    max_sends_per_client: int = server_setting(
         256,
-        group="server",
         gt=0,
         help="/send calls one client address may have in flight; more get 503, so one client "
         "cannot hold every transfer thread.",
     )
-    allowed_receivers: ReceiverEntries = setting(
+    allowed_receivers: ReceiverEntries = server_setting(
         (),
-        group="server",
         help="Hosts /send may write to, besides loopback (always allowed): CIDR networks, "
         "addresses or host names (matched as written, not resolved), comma-separated; '*' "
         "allows any host (logged as a warning at start). A receiver elsewhere gets 403.",
     )
-    token: Annotated[str | None, AfterValidator(_not_empty)] = setting(
+    token: Annotated[str | None, AfterValidator(_not_empty)] = server_setting(
         None,
-        group="server",
         flags=("--api-key",),
         repr=False,
         help="Require 'Authorization: Bearer TOKEN' on /encode, /send and pulls (/health and "
         "/metrics stay open). On a command line it shows in `ps`: prefer TRIO_ENCODE_TOKEN "
         "or token_file.",
     )
-    token_file: Path | None = setting(
+    token_file: Path | None = server_setting(
         None,
-        group="server",
         help="Read the token from this file (its first line), so it appears neither on the "
         "command line nor in the environment; not with token.",
     )
-    log_level: LogLevel = setting("INFO", group="logging", help="Least severe log lines shown.")
-    log_format: LogFormat = setting(
-        "kv", group="logging", help="key=value lines for people, JSON lines for log shippers."
+    log_level: LogLevel = logging_setting("INFO", help="Least severe log lines shown.")
+    log_format: LogFormat = logging_setting(
+        "kv", help="key=value lines for people, JSON lines for log shippers."
     )
-    access_log: bool = setting(
+    access_log: bool = logging_setting(
         True,
-        group="logging",
         help="Log one line per HTTP request (method, path, status, duration, bytes, req_id).",
     )
-    malloc_arenas: int | None = setting(
+    malloc_arenas: int | None = server_setting(
         2,
-        group="server",
         ge=1,
         help="glibc malloc arenas for the server process (none: glibc's default, 8 per core, "
         "under which RSS climbs far above the memory actually held).",
     )
-    heap_trim_seconds: float = setting(
+    heap_trim_seconds: float = server_setting(
         1.0,
-        group="server",
         ge=0,
         help="How often the free pages inside malloc's heaps go back to the system (0: never).",
     )

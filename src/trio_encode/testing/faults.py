@@ -23,7 +23,7 @@ from typing import Annotated, Any
 from pydantic import BeforeValidator, ConfigDict
 from pydantic.dataclasses import dataclass as settings_dataclass
 
-from trio_encode.declare import setting
+from trio_encode.declare import in_group
 from trio_encode.engine.base import (
     INVALID_ADDRESS,
     TRANSFER_FAILED,
@@ -183,13 +183,15 @@ def _fault_plan(value: Any) -> Any:
 EngineFaults = Annotated[FaultPlan, BeforeValidator(_fault_plan)]
 
 
+engine_setting = in_group("engine")
+
+
 @settings_dataclass(frozen=True, config=ConfigDict(extra="forbid"))
 class DrillSettings:
     """What a drill adds to ``trio-encode serve``: engine faults, never in production."""
 
-    engine_faults: EngineFaults | None = setting(
+    engine_faults: EngineFaults | None = engine_setting(
         None,
-        group="engine",
         help="Drills only: fail a fraction of transfer-engine calls with Mooncake's own codes, "
         "e.g. 'register=0.01,transfer=0.02,deregister=0.001,seed=7' (or one rate for all). "
         "Off by default; never in production.",

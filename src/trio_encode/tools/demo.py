@@ -25,7 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 from trio_encode.client import EncodeClient, EncodeResult, LandingPool, LandingSlot, metric_value
-from trio_encode.declare import setting
+from trio_encode.declare import in_group
 from trio_encode.embedding import TORCH_DTYPES
 from trio_encode.encoder import ImageEncoder, load_item
 from trio_encode.errors import RequestError
@@ -35,23 +35,22 @@ from trio_encode.settings import LogLevel, ServerSettings
 from trio_encode.testing.images import noise_uri
 from trio_encode.tools.progress import Steps
 
+demo_setting = in_group("demo")
+
 
 @settings_dataclass(frozen=True, config=ConfigDict(extra="forbid"))
 class DemoSettings:
     """The demo's own knobs (the model and engine are the server's settings)."""
 
-    requests: int = setting(8, group="demo", gt=0, help="Requests to run.")
-    images: int = setting(2, group="demo", gt=0, help="Images per request.")
-    tp: int = setting(4, group="demo", gt=0, help="Receiving prefill ranks.")
-    log_level: LogLevel = setting(
+    requests: int = demo_setting(8, gt=0, help="Requests to run.")
+    images: int = demo_setting(2, gt=0, help="Images per request.")
+    tp: int = demo_setting(4, gt=0, help="Receiving prefill ranks.")
+    log_level: LogLevel = demo_setting(
         "WARNING",
-        group="demo",
         help="Least severe of the server's log lines shown (the progress display and the "
         "final table are the demo's own output).",
     )
-    progress: bool = setting(
-        True, group="demo", help="Show progress on stderr while the demo runs."
-    )
+    progress: bool = demo_setting(True, help="Show progress on stderr while the demo runs.")
 
 
 @dataclass

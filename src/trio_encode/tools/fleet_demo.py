@@ -42,7 +42,7 @@ from trio_encode.client import (
     metric_value,
 )
 from trio_encode.client.fleet import RouteBy
-from trio_encode.declare import setting
+from trio_encode.declare import in_group
 from trio_encode.encoder import EncoderSettings
 from trio_encode.engine.mooncake import MooncakeEngine, MooncakeSettings
 from trio_encode.errors import RequestError
@@ -55,33 +55,31 @@ _POOL_SLOTS = 2  # per concurrent request: a send cut off by the kill quarantine
 _STORE_SEGMENT_BYTES = 256 << 20  # each encoder's share of the store
 
 
+fleet_setting = in_group("fleet")
+
+
 @settings_dataclass(frozen=True, config=ConfigDict(extra="forbid"))
 class FleetDemoConfig:
     """The fleet's size and workload (flags of ``trio-encode fleet``), and what its encoders
     are started with."""
 
-    encoders: int = setting(3, group="fleet", gt=0, help="Encode servers.")
-    ranks: int = setting(4, group="fleet", gt=0, help="TP prefill ranks.")
-    requests: int = setting(48, group="fleet", gt=0, help="Requests to run.")
-    distinct: int = setting(
+    encoders: int = fleet_setting(3, gt=0, help="Encode servers.")
+    ranks: int = fleet_setting(4, gt=0, help="TP prefill ranks.")
+    requests: int = fleet_setting(48, gt=0, help="Requests to run.")
+    distinct: int = fleet_setting(
         12,
-        group="fleet",
         gt=0,
         help="Distinct images the requests draw from (each is asked for repeatedly).",
     )
-    concurrency: int = setting(4, group="fleet", gt=0, help="Requests in flight at once.")
-    kill: bool = setting(
-        True, group="fleet", help="Kill one encoder once half of the requests are done."
-    )
-    store: bool = setting(
+    concurrency: int = fleet_setting(4, gt=0, help="Requests in flight at once.")
+    kill: bool = fleet_setting(True, help="Kill one encoder once half of the requests are done.")
+    store: bool = fleet_setting(
         True,
-        group="fleet",
         help="Start a mooncake_master and share embeddings through Mooncake Store.",
     )
-    progress: bool = setting(True, group="fleet", help="Show progress on stderr while it runs.")
-    route_by: RouteBy = setting(
+    progress: bool = fleet_setting(True, help="Show progress on stderr while it runs.")
+    route_by: RouteBy = fleet_setting(
         "content",
-        group="fleet",
         help="content: the images pick the encoder; request: the req_id does (no affinity, "
         "for comparison).",
     )
