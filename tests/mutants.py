@@ -288,6 +288,12 @@ MUTANTS: dict[str, Mutant] = {
             "test_an_engine_write_into_the_arena_is_detected_and_never_served",
         ),
     ),
+    "one exception raised in every waiter of a send (failure 22)": Mutant(
+        "scope.py",
+        "            raise attempt.error.fresh()",
+        "            raise attempt.error",
+        ("tests/test_scope_holds.py::test_a_retry_joining_a_failing_send_raises_its_own_error",),
+    ),
     "Mooncake's own timeout status taken for an end (failure 19)": Mutant(
         "engine/mooncake.py",
         "        elif status != DONE:\n            still.append(check)",

@@ -18,9 +18,10 @@ import torch
 import trio
 import trio.testing
 
-from support.lifecycle_rig import make_embedding
+from support.lifecycle_rig import gather_sends, lifecycle_rig, make_embedding
 from trio_encode.arrivals import Arrivals
 from trio_encode.embedding import Embedding
+from trio_encode.engine import TRANSFER_FAILED, EngineError
 from trio_encode.errors import InvalidInput, RequestReleased, UnknownRequest
 from trio_encode.request_types import Receiver
 from trio_encode.service import EncodeService, ServiceSettings
@@ -154,3 +155,26 @@ async def test_the_tombstone_limit_forgets_the_oldest_ended_request(
         assert (await service.send("r2", receiver)).repeat
         with pytest.raises(UnknownRequest):
             await service.send("r1", receiver)
+
+
+async def test_a_retry_joining_a_failing_send_raises_its_own_error(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A rank's retry joins its send still in flight; when the transfer fails, each waiter
+    raises an exception of its own (one object raised in both tasks would carry both their
+    tracebacks, and keep both frames alive, for as long as either is kept)."""
+    async with lifecycle_rig(transfer_latency=1.0) as rig:
+        encode, _ = rig.encoder("r1", seed=5)
+        await rig.open("r1", encode, receive_count=2)
+        (a,) = await rig.landings(1)
+        rig.sender.fail_next("transfer", TRANSFER_FAILED)
+        first, retry = await gather_sends(rig, "r1", [a.receiver, a.receiver])
+        assert rig.sender.count("transfer") == 1  # the retry joined the first send
+        assert isinstance(first, EngineError)
+        assert isinstance(retry, EngineError)
+        assert first is not retry
+        assert (first.call, first.code, str(first)) == (retry.call, retry.code, str(retry))
+        for error in (first, retry):
+            frames = [frame.f_code.co_name for frame, _ in traceback.walk_tb(error.__traceback__)]
+            assert frames.count("send") == 1, frames  # its own raise, no other waiter's
+            assert error.__context__ is None

@@ -84,7 +84,8 @@ class _Attempt:
     succeeded: bool = False
     receivers_done: int = 0
     """Distinct receivers done when this send completed (later ones may finish first)."""
-    error: Exception | None = None
+    error: RequestError | EngineError | None = None
+    """Why it failed, kept without its traceback; each waiter raises its own copy."""
 
 
 class RequestScope:
@@ -236,7 +237,7 @@ class RequestScope:
                 # moves a byte; if it has, it completes and counts.
                 attempt.withdraw.cancel()
         if attempt.error is not None:
-            raise attempt.error
+            raise attempt.error.fresh()  # each waiter its own: see RequestError.fresh
         assert self.shape is not None
         assert self.receive_count is not None
         return SendReport(self.shape, attempt.receivers_done, self.receive_count)
@@ -358,9 +359,9 @@ class RequestScope:
             if exc.call == "transfer":  # the ledger counts its own register failures
                 self._observer.engine_error(exc.call, exc.code)
             log.error("send failed: %s", exc, extra={"req_id": self.req_id})
-            attempt.error = _bare(exc)
+            attempt.error = exc.fresh()  # not the raiser's frames
         except RequestError as exc:
-            attempt.error = _bare(exc)
+            attempt.error = exc.fresh()  # not the raiser's frames
         except Exception as exc:
             self._fail_unexpectedly(exc)
         finally:
@@ -478,13 +479,3 @@ class RequestScope:
         if reason == "shutdown" or reason is None:
             return ShuttingDown(req_id=self.req_id)
         return RequestReleased(f"the request has ended ({reason})", req_id=self.req_id)
-
-
-def _bare(error: Exception) -> Exception:
-    """``error`` without its traceback and chained exceptions, to be kept and raised again:
-    their frames hold the embedding (and the attempt keeping the error, a cycle), so memory
-    the ledger has released would stay alive until the garbage collector ran."""
-    error.__traceback__ = None
-    error.__context__ = None
-    error.__cause__ = None
-    return error

@@ -78,6 +78,19 @@ class EngineError(Exception):
         self.detail = detail
         super().__init__(self._describe())
 
+    def fresh(self) -> EngineError:
+        """The same error as a new exception, with no traceback and nothing chained: one for
+        each caller to raise (see :meth:`trio_encode.errors.RequestError.fresh`)."""
+        return EngineError(
+            self.call,
+            self.code,
+            address=self.address,
+            length=self.length,
+            session_id=self.session_id,
+            remote_address=self.remote_address,
+            detail=self.detail,
+        )
+
     def _describe(self) -> str:
         parts = [f"transfer engine {self.call} failed with code {self.code}"]
         if self.session_id is not None:
