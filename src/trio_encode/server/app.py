@@ -11,7 +11,8 @@ address or changes state.
 
 Bodies: only ``/encode`` carries images; every other route takes at most
 ``max_control_body_bytes``, refused (413) from its ``Content-Length`` or as soon as more
-arrives, so a stream of junk to ``/send`` is never buffered. A ``/send`` may name only a
+arrives (:class:`_ControlBodyLimit`, in front of the app), so a stream of junk to ``/send`` is
+never buffered. A ``/send`` may name only a
 receiver host in ``allowed_receivers`` (403 otherwise, before anything is looked up), and each
 client (by address) has at most ``max_sends_per_client`` ``/send`` calls in flight (503).
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 import hmac
 import logging
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
@@ -53,11 +55,50 @@ _IMAGE_ROUTES = frozenset({"/encode"})
 
 access_log = logging.getLogger("trio_encode.access")
 
+_CUT = "trio_encode.body_cut"
+"""The ASGI scope's key set when :class:`_ControlBodyLimit` cut a body short."""
+
+
+class _ControlBodyLimit:
+    """ASGI middleware: the body of every route but the image routes ends at ``limit`` bytes.
+
+    Quart buffers a body as it arrives, up to the app-wide ``MAX_CONTENT_LENGTH`` (sized for
+    images), and has no public per-route bound on that buffer. This counts the body's bytes as
+    they stream in; the chunk that would pass ``limit`` is not handed on: the app sees the body
+    end there, and the scope says it was cut (the handler then answers 413). Whatever the client
+    still sends is read and dropped, never kept."""
+
+    def __init__(self, app: Callable[..., Awaitable[None]], limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] in _IMAGE_ROUTES:
+            await self.app(scope, receive, send)
+            return
+        received = 0
+
+        async def counted() -> dict[str, Any]:
+            nonlocal received
+            message: dict[str, Any] = await receive()
+            while scope.get(_CUT) and message["type"] == "http.request":
+                message = await receive()  # the rest of a cut body: dropped
+            if message["type"] == "http.request" and not scope.get(_CUT):
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    scope[_CUT] = True
+                    return {"type": "http.request", "body": b"", "more_body": False}
+            return message
+
+        await self.app(scope, counted, send)
+
 
 def create_app(service: EncodeService, metrics: Metrics, settings: ServerSettings) -> Any:
     """Build the app serving ``service``; metrics count every answer."""
     app = QuartTrio(__name__)
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
+    limited = _ControlBodyLimit(app.asgi_app, settings.max_control_body_bytes)
+    app.asgi_app = limited  # type: ignore[method-assign]  # Quart's documented middleware hook
     install_error_handlers(app)
     expected = f"Bearer {settings.token}".encode() if settings.token else None
     sends_in_flight: Counter[str] = Counter()
@@ -80,13 +121,11 @@ def create_app(service: EncodeService, metrics: Metrics, settings: ServerSetting
         limit = settings.max_control_body_bytes
         if request.content_length is not None and request.content_length > limit:
             raise TooLarge(f"{request.path} takes bodies of at most {limit} bytes")
-        # Quart buffers a body as it arrives, up to the app-wide limit; lowering this body's
-        # own limit makes it stop (and refuse) at this route's, before the handler reads it.
-        request.body._max_content_length = limit
+        request.max_content_length = limit  # what a 413 of Quart's own names
 
     async def read_body() -> bytes:
         data: bytes = await request.get_data(cache=False, as_text=False, parse_form_data=False)
-        if request.path not in _IMAGE_ROUTES and len(data) > settings.max_control_body_bytes:
+        if request.scope.get(_CUT):
             raise TooLarge(
                 f"{request.path} takes bodies of at most {settings.max_control_body_bytes} bytes"
             )

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from quart import Response, current_app, g, jsonify, request
+from quart import Response, g, jsonify, request
 from werkzeug.exceptions import HTTPException
 
 from trio_encode.engine import EngineError
@@ -116,10 +116,8 @@ def install_error_handlers(app: Any) -> None:
 
 def _body_limit() -> str:
     """``: at most N bytes`` for the body being refused (the route's own limit, else the
-    server's ``max_body_bytes``)."""
-    limit = getattr(request.body, "_max_content_length", None)
-    if limit is None:
-        limit = current_app.config.get("MAX_CONTENT_LENGTH")
+    server's ``max_body_bytes``: Quart's public per-request ``max_content_length``)."""
+    limit = request.max_content_length
     return f": at most {limit} bytes ({format_size(limit)})" if limit else ""
 
 
