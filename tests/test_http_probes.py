@@ -141,3 +141,20 @@ def test_the_queue_depth_gauge_reads_the_encoder() -> None:
     metrics.timed(Queued())
     text = metrics.render().decode()
     assert metric_value(text, "encoder_queue_images") == 3
+
+
+def test_each_registration_call_is_timed_into_its_own_histogram() -> None:
+    metrics = Metrics()
+    metrics.registration_timed("register", 0.001)
+    metrics.registration_timed("deregister", 0.002)
+    metrics.registration_timed("deregister", 0.003)
+    text = metrics.render().decode()
+    assert metric_value(text, "register_seconds_count") == 1
+    assert metric_value(text, "deregister_seconds_count") == 2
+
+
+def test_a_metric_is_an_attribute_so_a_misspelt_name_fails() -> None:
+    metrics = Metrics()
+    assert metrics.exposed.requests_total is metrics.exposed.requests_total
+    with pytest.raises(AttributeError):
+        metrics.exposed.request_total  # type: ignore[attr-defined]  # noqa: B018

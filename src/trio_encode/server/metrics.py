@@ -13,7 +13,7 @@ from __future__ import annotations
 import platform
 from collections.abc import Sequence
 from importlib import metadata
-from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, cast, overload, runtime_checkable
 
 import trio
 from prometheus_client import (
@@ -84,170 +84,179 @@ class QueueDepth(Protocol):
 _REGISTER_BUCKETS = (1e-6, 1e-5, 1e-4, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.25, 1)
 
 
-class _Declared(NamedTuple):
-    """One metric: its name after the prefix, its kind, help text and label names."""
-
-    name: str
-    kind: type[Counter] | type[Gauge] | type[Histogram]
-    help: str
-    labels: tuple[str, ...] = ()
-    buckets: tuple[float, ...] = ()  # histograms only
+_Kind = TypeVar("_Kind", Counter, Gauge, Histogram)
 
 
-# Every metric the server exposes (besides build_info and the process collectors), in
-# exposition order. A counter declared without ``_total`` is exposed with it.
-_DECLARED = (
-    _Declared("requests_total", Counter, "Answered HTTP requests.", ("route", "status")),
-    _Declared(
-        "request_seconds",
+class _Metric(Generic[_Kind]):
+    """One metric's declaration: its kind, help text, label names and (histograms) buckets; its
+    name, after the prefix, is the attribute it is declared as. On an :class:`Exposed` the
+    attribute is that registry's instance, so a misspelt name fails under mypy."""
+
+    def __init__(
+        self,
+        kind: type[_Kind],
+        help: str,
+        labels: tuple[str, ...] = (),
+        *,
+        buckets: tuple[float, ...] = (),
+    ) -> None:
+        self.kind: type[_Kind] = kind
+        self.help, self.labels, self.buckets = help, labels, buckets
+        self.name = ""
+
+    def __set_name__(self, owner: type[Exposed], name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, exposed: None, owner: type[Exposed]) -> _Metric[_Kind]: ...
+    @overload
+    def __get__(self, exposed: Exposed, owner: type[Exposed]) -> _Kind: ...
+    def __get__(self, exposed: Exposed | None, owner: type[Exposed]) -> _Metric[_Kind] | _Kind:
+        if exposed is None:
+            return self
+        return cast(_Kind, exposed.__dict__[self.name])  # made by Exposed.__init__
+
+    def make(self, registry: CollectorRegistry) -> _Kind:
+        extra: dict[str, Any] = {"buckets": self.buckets} if self.kind is Histogram else {}
+        made: _Kind = self.kind(
+            METRIC_PREFIX + self.name, self.help, self.labels, registry=registry, **extra
+        )
+        return made
+
+
+class Exposed:
+    """Every metric the server exposes (besides build_info and the process collectors), in
+    exposition order, each declared once. A counter declared without ``_total`` is exposed
+    with it."""
+
+    requests_total = _Metric(Counter, "Answered HTTP requests.", ("route", "status"))
+    request_seconds = _Metric(
         Histogram,
         "Time from a request's arrival to its answer, by route.",
         ("route",),
-        _REQUEST_BUCKETS,
-    ),
-    _Declared(
-        "scope_seconds",
+        buckets=_REQUEST_BUCKETS,
+    )
+    scope_seconds = _Metric(
         Histogram,
         "A request scope's life, from its first /encode to its release, by how it ended.",
         ("reason",),
-        _SCOPE_BUCKETS,
-    ),
-    _Declared("encoder_queue_images", Gauge, "Images waiting for a forward pass now."),
-    _Declared("encode_seconds", Histogram, "One encoder run.", (), _ENCODE_BUCKETS),
-    _Declared(
-        "transfer_seconds", Histogram, "One transfer into a receiver.", (), _TRANSFER_BUCKETS
-    ),
-    _Declared("transfer_bytes", Counter, "Bytes written into receivers."),
-    _Declared("live_scopes", Gauge, "Request scopes alive now."),
-    _Declared("live_registrations", Gauge, "Memory registrations held now."),
-    _Declared(
-        "arena_registrations",
+        buckets=_SCOPE_BUCKETS,
+    )
+    encoder_queue_images = _Metric(Gauge, "Images waiting for a forward pass now.")
+    encode_seconds = _Metric(Histogram, "One encoder run.", buckets=_ENCODE_BUCKETS)
+    transfer_seconds = _Metric(
+        Histogram, "One transfer into a receiver.", buckets=_TRANSFER_BUCKETS
+    )
+    transfer_bytes = _Metric(Counter, "Bytes written into receivers.")
+    live_scopes = _Metric(Gauge, "Request scopes alive now.")
+    live_registrations = _Metric(Gauge, "Memory registrations held now.")
+    arena_registrations = _Metric(
         Gauge,
         "The arena's own registration: 1 while it is held (the server's whole life), "
         "never counted in registrations_total or deregistrations_total.",
-    ),
-    _Declared(
-        "registrations",
-        Counter,
-        "Memory registrations made, the arena's left out (see arena_registrations).",
-    ),
-    _Declared(
-        "quarantined_registrations",
+    )
+    registrations = _Metric(
+        Counter, "Memory registrations made, the arena's left out (see arena_registrations)."
+    )
+    quarantined_registrations = _Metric(
         Gauge,
         "Registrations whose deregistration failed; their memory is kept and the "
         "deregistration retried.",
-    ),
-    _Declared("quarantined_bytes", Gauge, "Bytes kept alive by quarantined registrations."),
-    _Declared(
-        "held_transfers",
+    )
+    quarantined_bytes = _Metric(Gauge, "Bytes kept alive by quarantined registrations.")
+    held_transfers = _Metric(
         Gauge,
         "Sends whose memory is held out of reuse because a transfer the engine stopped "
         "waiting for may still read it.",
-    ),
-    _Declared(
-        "held_transfer_bytes",
-        Gauge,
-        "Bytes held out of reuse for transfers the engine stopped waiting for.",
-    ),
-    _Declared("held_transfer_oldest_seconds", Gauge, "Age of the oldest such hold (0 when none)."),
-    _Declared(
-        "held_transfers_overdue",
+    )
+    held_transfer_bytes = _Metric(
+        Gauge, "Bytes held out of reuse for transfers the engine stopped waiting for."
+    )
+    held_transfer_oldest_seconds = _Metric(Gauge, "Age of the oldest such hold (0 when none).")
+    held_transfers_overdue = _Metric(
         Counter,
         "Holds that outlived the engine's bound: the engine never reported the transfer "
         "ended; the memory is kept, never reused.",
-    ),
-    _Declared(
-        "deregistrations",
+    )
+    deregistrations = _Metric(
         Counter,
         "Memory registrations released, the arena's left out: equal to "
         "registrations_total once idle.",
-    ),
-    _Declared(
-        "register_seconds",
-        Histogram,
-        "One memory registration (pinning, on RDMA).",
-        (),
-        _REGISTER_BUCKETS,
-    ),
-    _Declared("deregister_seconds", Histogram, "One memory deregistration.", (), _REGISTER_BUCKETS),
-    _Declared("arena_bytes", Gauge, "Size of the registered arena (0: none)."),
-    _Declared("arena_leased_bytes", Gauge, "Arena bytes held by requests and forwards now."),
-    _Declared(
-        "arena_cached_bytes", Gauge, "Arena bytes kept as the embedding cache (leased or not)."
-    ),
-    _Declared(
-        "arena_fallbacks",
+    )
+    register_seconds = _Metric(
+        Histogram, "One memory registration (pinning, on RDMA).", buckets=_REGISTER_BUCKETS
+    )
+    deregister_seconds = _Metric(Histogram, "One memory deregistration.", buckets=_REGISTER_BUCKETS)
+    arena_bytes = _Metric(Gauge, "Size of the registered arena (0: none).")
+    arena_leased_bytes = _Metric(Gauge, "Arena bytes held by requests and forwards now.")
+    arena_cached_bytes = _Metric(Gauge, "Arena bytes kept as the embedding cache (leased or not).")
+    arena_fallbacks = _Metric(
         Gauge,
         "Requests whose embedding did not fit in the arena and was registered on its own "
         "(a count since start).",
-    ),
-    _Declared("backstop_expiries", Counter, "Scopes ended by their deadline."),
-    _Declared(
-        "scopes_split",
+    )
+    backstop_expiries = _Metric(Counter, "Scopes ended by their deadline.")
+    scopes_split = _Metric(
         Counter,
         "Scopes ended by their deadline after serving some but not all receivers: a "
         "request split across encoders (or ranks that never sent).",
-    ),
-    _Declared("scopes_closed", Counter, "Scopes ended, by reason.", ("reason",)),
-    _Declared(
-        "engine_errors", Counter, "Transfer-engine calls that returned an error.", ("call", "code")
-    ),
-    _Declared(
-        "completion_messages",
+    )
+    scopes_closed = _Metric(Counter, "Scopes ended, by reason.", ("reason",))
+    engine_errors = _Metric(
+        Counter, "Transfer-engine calls that returned an error.", ("call", "code")
+    )
+    completion_messages = _Metric(
         Counter,
         "SGLang completion messages pushed to prefill ranks, by kind (done, error) and "
         "result (sent, failed).",
         ("kind", "result"),
-    ),
+    )
     # The encoder's own events (EncoderObserver).
-    _Declared(
-        "encoder_batch_size", Histogram, "Images per forward pass.", (), (1, 2, 4, 8, 16, 32, 64)
-    ),
-    _Declared(
-        "encoder_forward_seconds", Histogram, "One forward pass over a batch.", (), _ENCODE_BUCKETS
-    ),
-    _Declared("encoder_forward_failures", Counter, "Forward passes that raised."),
-    _Declared(
-        "encoder_queue_wait_seconds",
-        Histogram,
-        "Time an image waited for its forward pass.",
-        (),
-        _ENCODE_BUCKETS,
-    ),
-    _Declared("encoder_cache_hits", Counter, "Cached images."),
-    _Declared("encoder_cache_misses", Counter, "Images not in the cache."),
-    _Declared("encoder_cache_bytes", Gauge, "Bytes of embeddings cached."),
-    _Declared("encoder_cache_entries", Gauge, "Embeddings cached."),
-    _Declared(
-        "encoder_cache_poisoned",
+    encoder_batch_size = _Metric(
+        Histogram, "Images per forward pass.", buckets=(1, 2, 4, 8, 16, 32, 64)
+    )
+    encoder_forward_seconds = _Metric(
+        Histogram, "One forward pass over a batch.", buckets=_ENCODE_BUCKETS
+    )
+    encoder_forward_failures = _Metric(Counter, "Forward passes that raised.")
+    encoder_queue_wait_seconds = _Metric(
+        Histogram, "Time an image waited for its forward pass.", buckets=_ENCODE_BUCKETS
+    )
+    encoder_cache_hits = _Metric(Counter, "Cached images.")
+    encoder_cache_misses = _Metric(Counter, "Images not in the cache.")
+    encoder_cache_bytes = _Metric(Gauge, "Bytes of embeddings cached.")
+    encoder_cache_entries = _Metric(Gauge, "Embeddings cached.")
+    encoder_cache_poisoned = _Metric(
         Counter,
         "Cached embeddings dropped because their bytes no longer matched the checksum "
         "recorded when they were written (memory changed behind the encoder's back).",
-    ),
-    _Declared("encoder_rejected_images", Counter, "Images refused because the queue was full."),
+    )
+    encoder_rejected_images = _Metric(Counter, "Images refused because the queue was full.")
     # The cluster-wide store's events (StoreObserver).
-    _Declared("store_connected", Gauge, "1 while connected to the Mooncake Store master, else 0."),
-    _Declared(
-        "store_lookups",
+    store_connected = _Metric(Gauge, "1 while connected to the Mooncake Store master, else 0.")
+    store_lookups = _Metric(
         Counter,
         "Images looked up in the cluster-wide store, by result (hit, miss, error, timeout, "
         "unavailable); all but hit run the forward locally.",
         ("result",),
-    ),
-    _Declared(
-        "store_puts",
+    )
+    store_puts = _Metric(
         Counter,
         "Embeddings offered to the cluster-wide store, by result (stored, failed, timeout, "
         "dropped).",
         ("result",),
-    ),
-)
+    )
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        for declared in vars(Exposed).values():
+            if isinstance(declared, _Metric):
+                self.__dict__[declared.name] = declared.make(registry)
 
 
 class Metrics:
     """The server's metrics; the service's ``LifecycleObserver``, the encoder's
-    ``EncoderObserver`` and the store's ``StoreObserver``. Each declared metric is found by
-    its name in ``counter``, ``gauge`` or ``histogram``, by its kind."""
+    ``EncoderObserver`` and the store's ``StoreObserver``. Each declared metric is an attribute
+    of ``exposed``."""
 
     content_type = CONTENT_TYPE_LATEST
 
@@ -260,60 +269,48 @@ class Metrics:
         Info(METRIC_PREFIX + "build", "Versions of this server and its engines.", registry=r).info(
             build_versions()
         )
-        self.counter: dict[str, Counter] = {}
-        self.gauge: dict[str, Gauge] = {}
-        self.histogram: dict[str, Histogram] = {}
-        for d in _DECLARED:
-            full = METRIC_PREFIX + d.name
-            if d.kind is Histogram:
-                self.histogram[d.name] = Histogram(
-                    full, d.help, d.labels, buckets=d.buckets, registry=r
-                )
-            elif d.kind is Gauge:
-                self.gauge[d.name] = Gauge(full, d.help, d.labels, registry=r)
-            else:
-                self.counter[d.name] = Counter(full, d.help, d.labels, registry=r)
+        self.exposed = Exposed(r)
         self._queue_depth: QueueDepth | None = None
-        self.gauge["encoder_queue_images"].set_function(
+        self.exposed.encoder_queue_images.set_function(
             lambda: self._queue_depth.queued_images if self._queue_depth is not None else 0
         )
         self._arena: Arena | None = None
         # Until attach() names a service, count the live ones from events.
         self._open_scopes = 0
         self._held_registrations = 0
-        self.gauge["live_scopes"].set_function(lambda: self._open_scopes)
-        self.gauge["live_registrations"].set_function(lambda: self._held_registrations)
+        self.exposed.live_scopes.set_function(lambda: self._open_scopes)
+        self.exposed.live_registrations.set_function(lambda: self._held_registrations)
 
     def attach(self, service: EncodeService) -> None:
         """Read the live gauges from ``service`` itself from now on."""
-        self.gauge["live_scopes"].set_function(lambda: len(service.registry))
-        self.gauge["live_registrations"].set_function(lambda: service.ledger.live_registrations)
-        self.gauge["held_transfers"].set_function(lambda: service.ledger.held)
-        self.gauge["held_transfer_bytes"].set_function(lambda: service.ledger.held_bytes)
-        self.gauge["held_transfer_oldest_seconds"].set_function(
+        self.exposed.live_scopes.set_function(lambda: len(service.registry))
+        self.exposed.live_registrations.set_function(lambda: service.ledger.live_registrations)
+        self.exposed.held_transfers.set_function(lambda: service.ledger.held)
+        self.exposed.held_transfer_bytes.set_function(lambda: service.ledger.held_bytes)
+        self.exposed.held_transfer_oldest_seconds.set_function(
             lambda: service.ledger.oldest_hold_seconds
         )
         arena = service.encoder.arena
         if arena is not None:
-            self.gauge["arena_bytes"].set(arena.nbytes)
-            self.gauge["arena_leased_bytes"].set_function(lambda: arena.leased_bytes)
-            self.gauge["arena_cached_bytes"].set_function(lambda: arena.cached_bytes)
-            self.gauge["arena_fallbacks"].set_function(lambda: arena.fallbacks)
+            self.exposed.arena_bytes.set(arena.nbytes)
+            self.exposed.arena_leased_bytes.set_function(lambda: arena.leased_bytes)
+            self.exposed.arena_cached_bytes.set_function(lambda: arena.cached_bytes)
+            self.exposed.arena_fallbacks.set_function(lambda: arena.fallbacks)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
         return generate_latest(self.registry)
 
     def request_answered(self, route: str, status: int, seconds: float) -> None:
-        self.counter["requests_total"].labels(route=route, status=str(status)).inc()
-        self.histogram["request_seconds"].labels(route=route).observe(seconds)
+        self.exposed.requests_total.labels(route=route, status=str(status)).inc()
+        self.exposed.request_seconds.labels(route=route).observe(seconds)
 
     def timed(self, encoder: Encoder) -> Encoder:
         """``encoder`` with every run timed into ``encode_seconds``; its queue depth is read
         into ``encoder_queue_images`` when it can tell it."""
         if isinstance(encoder, QueueDepth):
             self._queue_depth = encoder
-        return _TimedEncoder(encoder, self.histogram["encode_seconds"])
+        return _TimedEncoder(encoder, self.exposed.encode_seconds)
 
     # -- LifecycleObserver --------------------------------------------------------------------
 
@@ -322,8 +319,8 @@ class Metrics:
 
     def scope_closed(self, req_id: str, reason: str, seconds: float) -> None:
         self._open_scopes -= 1
-        self.counter["scopes_closed"].labels(reason=reason).inc()
-        self.histogram["scope_seconds"].labels(reason=reason).observe(seconds)
+        self.exposed.scopes_closed.labels(reason=reason).inc()
+        self.exposed.scope_seconds.labels(reason=reason).observe(seconds)
 
     def watch_arena(self, arena: Arena | None) -> None:
         """Count ``arena``'s own registration in ``arena_registrations``, apart from the
@@ -336,80 +333,81 @@ class Metrics:
     def registered(self, address: int, length: int) -> None:
         self._held_registrations += 1
         if self._is_arena(address):
-            self.gauge["arena_registrations"].set(1)
+            self.exposed.arena_registrations.set(1)
         else:
-            self.counter["registrations"].inc()
+            self.exposed.registrations.inc()
 
     def deregistered(self, address: int) -> None:
         self._held_registrations -= 1
         if self._is_arena(address):
-            self.gauge["arena_registrations"].set(0)
+            self.exposed.arena_registrations.set(0)
         else:
-            self.counter["deregistrations"].inc()
+            self.exposed.deregistrations.inc()
 
     def registration_timed(self, call: RegistrationCall, seconds: float) -> None:
-        self.histogram[f"{call}_seconds"].observe(seconds)
+        timed = (
+            self.exposed.register_seconds if call == "register" else self.exposed.deregister_seconds
+        )
+        timed.observe(seconds)
 
     def transfer_finished(self, req_id: str, nbytes: int, seconds: float) -> None:
-        self.counter["transfer_bytes"].inc(nbytes)
-        self.histogram["transfer_seconds"].observe(seconds)
+        self.exposed.transfer_bytes.inc(nbytes)
+        self.exposed.transfer_seconds.observe(seconds)
 
     def engine_error(self, call: str, code: int) -> None:
-        self.counter["engine_errors"].labels(call=call, code=str(code)).inc()
+        self.exposed.engine_errors.labels(call=call, code=str(code)).inc()
 
     def backstop_expired(self, req_id: str) -> None:
-        self.counter["backstop_expiries"].inc()
+        self.exposed.backstop_expiries.inc()
 
     def split_expired(self, req_id: str, served: int, receive_count: int) -> None:
-        self.counter["scopes_split"].inc()
+        self.exposed.scopes_split.inc()
 
     def quarantine_changed(self, regions: int, nbytes: int) -> None:
-        self.gauge["quarantined_registrations"].set(regions)
-        self.gauge["quarantined_bytes"].set(nbytes)
+        self.exposed.quarantined_registrations.set(regions)
+        self.exposed.quarantined_bytes.set(nbytes)
 
     def completion_pushed(self, kind: str, *, ok: bool) -> None:
-        self.counter["completion_messages"].labels(
-            kind=kind, result="sent" if ok else "failed"
-        ).inc()
+        self.exposed.completion_messages.labels(kind=kind, result="sent" if ok else "failed").inc()
 
     def transfer_hold_overdue(self, nbytes: int) -> None:
-        self.counter["held_transfers_overdue"].inc()
+        self.exposed.held_transfers_overdue.inc()
 
     # -- EncoderObserver ----------------------------------------------------------------------
 
     def batch_finished(self, images: int, forward_seconds: float, ok: bool) -> None:
-        self.histogram["encoder_batch_size"].observe(images)
-        self.histogram["encoder_forward_seconds"].observe(forward_seconds)
+        self.exposed.encoder_batch_size.observe(images)
+        self.exposed.encoder_forward_seconds.observe(forward_seconds)
         if not ok:
-            self.counter["encoder_forward_failures"].inc()
+            self.exposed.encoder_forward_failures.inc()
 
     def queue_waited(self, seconds: float) -> None:
-        self.histogram["encoder_queue_wait_seconds"].observe(seconds)
+        self.exposed.encoder_queue_wait_seconds.observe(seconds)
 
     def cache_looked_up(self, hits: int, misses: int) -> None:
-        self.counter["encoder_cache_hits"].inc(hits)
-        self.counter["encoder_cache_misses"].inc(misses)
+        self.exposed.encoder_cache_hits.inc(hits)
+        self.exposed.encoder_cache_misses.inc(misses)
 
     def cache_size(self, nbytes: int, entries: int) -> None:
-        self.gauge["encoder_cache_bytes"].set(nbytes)
-        self.gauge["encoder_cache_entries"].set(entries)
+        self.exposed.encoder_cache_bytes.set(nbytes)
+        self.exposed.encoder_cache_entries.set(entries)
 
     def rejected(self, images: int) -> None:
-        self.counter["encoder_rejected_images"].inc(images)
+        self.exposed.encoder_rejected_images.inc(images)
 
     def cache_poisoned(self, images: int) -> None:
-        self.counter["encoder_cache_poisoned"].inc(images)
+        self.exposed.encoder_cache_poisoned.inc(images)
 
     # -- StoreObserver ------------------------------------------------------------------------
 
     def store_connected(self, connected: bool) -> None:
-        self.gauge["store_connected"].set(1 if connected else 0)
+        self.exposed.store_connected.set(1 if connected else 0)
 
     def store_looked_up(self, result: str, images: int) -> None:
-        self.counter["store_lookups"].labels(result=result).inc(images)
+        self.exposed.store_lookups.labels(result=result).inc(images)
 
     def store_put(self, result: str) -> None:
-        self.counter["store_puts"].labels(result=result).inc()
+        self.exposed.store_puts.labels(result=result).inc()
 
 
 class _TimedEncoder(PassThroughEncoder):
