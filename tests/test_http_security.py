@@ -171,6 +171,62 @@ async def test_bytes_held_by_live_requests_are_capped(rank_engines: RankEngines)
         await harness.settled()
 
 
+async def test_a_row_shared_through_the_cache_is_held_once(rank_engines: RankEngines) -> None:
+    """Requests that send one cached row share one allocation: ``max_held_bytes`` counts it
+    once, however many requests (or copies in one request) hold it, and still counts every
+    other row."""
+    encoder = ImageEncoder.from_settings(SMALL)
+    shared, other = noise_uri(21), noise_uri(22)
+    async with (
+        serving(rank_engines.server, encoder=encoder, max_held_bytes=2 * ROW) as harness,
+        landing_pools(rank_engines, 64 * ROW) as pools,
+    ):
+        service = harness.running.service
+        await harness.client.encode("a", [shared], receive_count=1)
+        await harness.client.encode("b", [shared], receive_count=1)
+        await harness.client.encode("c", [shared] * 64, receive_count=1)
+        assert service.held_bytes == ROW
+        await harness.client.encode("d", [other], receive_count=1)
+        assert service.held_bytes == 2 * ROW
+        answer = await post(harness, "/encode", {"req_id": "e", "mm_items": [shared]})
+        assert error_of(answer)[:2] == (503, "overloaded")
+        for req_id in ("a", "b", "c", "d"):
+            await harness.client.send(req_id, pools[0].session_id, pools[0].address)
+        await harness.settled()
+        assert service.held_bytes == 0
+
+
+async def test_the_held_bytes_check_does_not_visit_every_live_request(
+    rank_engines: RankEngines, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``max_held_bytes`` is checked on every /encode: a running total, not a pass over the
+    live requests (counted: no live request's scope is listed for it)."""
+    async with (
+        serving(rank_engines.server) as harness,
+        landing_pools(rank_engines, embedding_size(1)) as pools,
+    ):
+        service = harness.running.service
+        for req_id in (f"live-{index}" for index in range(20)):
+            await harness.client.encode(req_id, [image_uri(req_id)], receive_count=1)
+        listed = 0
+        scopes = service.registry.scopes
+
+        def counted() -> list[Any]:
+            nonlocal listed
+            listed += 1
+            return scopes()
+
+        monkeypatch.setattr(service.registry, "scopes", counted)
+        await harness.client.encode("one-more", [image_uri("one-more")], receive_count=1)
+        assert listed == 0
+        assert service.held_bytes == 21 * embedding_size(1)
+        monkeypatch.undo()
+        for index in range(20):
+            await harness.client.send(f"live-{index}", pools[0].session_id, pools[0].address)
+        await harness.client.send("one-more", pools[0].session_id, pools[0].address)
+        await harness.settled()
+
+
 async def test_only_encode_takes_large_bodies(rank_engines: RankEngines) -> None:
     """/send and pulls take kilobytes, whether the body declares its length or streams it."""
     big = json.dumps({"req_id": "x", "pad": "a" * 100_000}).encode()

@@ -53,6 +53,36 @@ from trio_encode.sizes import ByteSize, GiB
 log = logging.getLogger(__name__)
 
 
+class _HeldMemory:
+    """The memory live requests hold, as a running total (``max_held_bytes`` is checked on
+    every ``/encode``: no pass over the live requests). Counted by memory range, not by
+    request: a cached row that many requests send (or one request names many times) is one
+    allocation, counted once while any of them holds it."""
+
+    def __init__(self) -> None:
+        self.nbytes = 0
+        self._holders: dict[tuple[int, int], int] = {}  # (address, length) -> requests
+
+    def take(self, embedding: EmbeddingMemory) -> list[tuple[int, int]]:
+        """Count ``embedding``'s memory; returns what to give back."""
+        ranges = list(dict.fromkeys(embedding.segments))
+        for memory in ranges:
+            holders = self._holders.get(memory, 0)
+            if not holders:
+                self.nbytes += memory[1]
+            self._holders[memory] = holders + 1
+        return ranges
+
+    def give_back(self, ranges: list[tuple[int, int]]) -> None:
+        for memory in ranges:
+            holders = self._holders[memory] - 1
+            if holders:
+                self._holders[memory] = holders
+            else:
+                del self._holders[memory]
+                self.nbytes -= memory[1]
+
+
 class Encoder(Protocol):
     """The encoder as the service uses it (``trio_encode.encoder`` provides the real one)."""
 
@@ -149,8 +179,8 @@ class ServiceSettings:
     max_held_bytes: ByteSize = server_setting(
         2 * GiB,
         gt=0,
-        help="Embedding bytes the live requests may hold together; a new /encode past it gets "
-        "503 until sends complete.",
+        help="Embedding bytes the live requests may hold together (a cached row several share "
+        "counts once); a new /encode past it gets 503 until sends complete.",
     )
     receivers_match_prefill_host: bool = server_setting(
         True,
@@ -257,6 +287,7 @@ class EncodeService:
         )
         """``prefill_host`` of each live request whose /encode named one."""
         self._nursery = nursery
+        self._held = _HeldMemory()
         self.completions = (
             CompletionPusher(timeout=settings.completion_timeout, observer=observer)
             if settings.completion_messages
@@ -326,8 +357,9 @@ class EncodeService:
 
     @property
     def held_bytes(self) -> int:
-        """Embedding bytes the live scopes hold (those still encoding count when encoded)."""
-        return sum(scope.shape.nbytes for scope in self.registry.scopes() if scope.shape)
+        """Embedding bytes the live scopes hold, each memory range once however many requests
+        share it (those still encoding count when encoded)."""
+        return self._held.nbytes
 
     def _admit(self, req_id: str) -> None:
         """Refuse a new request at a capacity limit (503): before any item is loaded."""
@@ -377,12 +409,17 @@ class EncodeService:
                 self._failed(req_id, part, set(part.endpoints), Failure.of(exc))
                 raise
 
+            taken: list[tuple[int, int]] = []
+
             async def run_encoder() -> EmbeddingMemory:
-                return await self.encoder.encode(images)
+                embedding = await self.encoder.encode(images)
+                taken.extend(self._held.take(embedding))  # the scope keeps it from here
+                return embedding
 
             scope = await self.registry.open(
                 req_id, receive_count=receive_count, encode=run_encoder
             )
+            self._nursery.start_soon(self._give_back_when_ended, scope, taken)
             if prefill_host is not None and self.settings.receivers_match_prefill_host:
                 self._prefill_hosts[scope] = prefill_host
             if req_id not in self._live:
@@ -397,6 +434,16 @@ class EncodeService:
             known.endpoints.update(part.endpoints)
         shape = await scope.wait_encoded()
         return EncodeReport(shape, scope.receive_count)
+
+    async def _give_back_when_ended(
+        self, scope: RequestScope, taken: list[tuple[int, int]]
+    ) -> None:
+        """Beside each scope: what its embedding took from :attr:`held_bytes` goes back when
+        the scope has released it."""
+        try:
+            await scope.wait_ended()
+        finally:
+            self._held.give_back(taken)
 
     def _check_prefill_host(self, scope: RequestScope, receiver: Receiver) -> None:
         prefill_host = self._prefill_hosts.get(scope)
