@@ -121,6 +121,18 @@ def _qwen_vision(**extra: Any) -> dict[str, Any]:
     }
 
 
+def _tower(**extra: Any) -> dict[str, Any]:
+    """A two-layer, 32-wide CLIP, SigLIP or InternViT tower; ``extra`` names its kind, image
+    and patch sizes."""
+    return {
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        **extra,
+    }
+
+
 QWEN_PIXELS = {"min_pixels": 56 * 56, "max_pixels": 28 * 28 * 48}
 """Small images: 4 to 48 merged tokens each."""
 QWEN_TOKENS = {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"}
@@ -176,16 +188,9 @@ def build(family: str, path: Path, seed: int = 0) -> TinyVLM:
     elif family == "llava":
         config = T.LlavaConfig(
             text_config={"model_type": "llama", **TEXT},
-            vision_config={
-                "model_type": "clip_vision_model",
-                "hidden_size": 32,
-                "intermediate_size": 48,
-                "num_hidden_layers": 2,
-                "num_attention_heads": 2,
-                "image_size": 28,
-                "patch_size": 7,
-                "projection_dim": 32,
-            },
+            vision_config=_tower(
+                model_type="clip_vision_model", image_size=28, patch_size=7, projection_dim=32
+            ),
             image_token_id=9,
             vision_feature_layer=-2,
             vision_feature_select_strategy="default",
@@ -198,16 +203,9 @@ def build(family: str, path: Path, seed: int = 0) -> TinyVLM:
     elif family == "llava_onevision":
         config = T.LlavaOnevisionConfig(
             text_config={"model_type": "qwen2", **TEXT},
-            vision_config={
-                "model_type": "siglip_vision_model",
-                "hidden_size": 32,
-                "intermediate_size": 48,
-                "num_hidden_layers": 2,
-                "num_attention_heads": 2,
-                "image_size": 28,
-                "patch_size": 7,
-                "vision_use_head": False,
-            },
+            vision_config=_tower(
+                model_type="siglip_vision_model", image_size=28, patch_size=7, vision_use_head=False
+            ),
             image_token_index=9,
             image_grid_pinpoints=PINPOINTS,
             vision_aspect_ratio="anyres_max_9",
@@ -220,15 +218,7 @@ def build(family: str, path: Path, seed: int = 0) -> TinyVLM:
     elif family == "gemma3":
         config = T.Gemma3Config(
             text_config={"model_type": "gemma3_text", **TEXT, "sliding_window": 16},
-            vision_config={
-                "model_type": "siglip_vision_model",
-                "hidden_size": 32,
-                "intermediate_size": 48,
-                "num_hidden_layers": 2,
-                "num_attention_heads": 2,
-                "image_size": 32,
-                "patch_size": 4,
-            },
+            vision_config=_tower(model_type="siglip_vision_model", image_size=32, patch_size=4),
             mm_tokens_per_image=16,
             image_token_id=11,
             boi_token_id=9,
@@ -242,14 +232,7 @@ def build(family: str, path: Path, seed: int = 0) -> TinyVLM:
     elif family == "internvl":
         config = T.InternVLConfig(
             text_config={"model_type": "qwen2", **TEXT},
-            vision_config={
-                "hidden_size": 32,
-                "intermediate_size": 48,
-                "num_hidden_layers": 2,
-                "num_attention_heads": 2,
-                "image_size": [32, 32],
-                "patch_size": [8, 8],
-            },
+            vision_config=_tower(image_size=[32, 32], patch_size=[8, 8]),
             image_token_id=11,
             downsample_ratio=0.5,
         )
