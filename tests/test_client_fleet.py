@@ -11,7 +11,7 @@ import torch
 import trio
 
 from support.engines import DelayedTransferEngine, RankEngines
-from support.harness import landing_pools, serving
+from support.harness import http_server, landing_pools
 from trio_encode.client import EncodeResult, LandingPool, PoolExhausted
 from trio_encode.client.fleet import EncoderList, FleetClient, NoEncoderAvailable
 from trio_encode.client.health import HealthTracker
@@ -40,7 +40,7 @@ def _landed(pool: LandingPool, answer: EncodeResult, address: int) -> torch.Tens
 
 async def test_a_dead_encoder_is_failed_over_then_skipped(rank_engines: RankEngines) -> None:
     async with (
-        serving(rank_engines.server) as harness,
+        http_server(rank_engines.server) as harness,
         landing_pools(rank_engines, 2 * embedding_size(1)) as pools,
     ):
         encoders = [DEAD, harness.running.url]
@@ -77,8 +77,8 @@ async def test_a_forced_split_lands_correct_bytes_everywhere_and_is_counted(
     rank_engines: RankEngines,
 ) -> None:
     async with (
-        serving(rank_engines.server, send_timeout=1.0) as first,
-        serving(rank_engines.server, send_timeout=1.0) as second,
+        http_server(rank_engines.server, send_timeout=1.0) as first,
+        http_server(rank_engines.server, send_timeout=1.0) as second,
         landing_pools(rank_engines, embedding_size(1)) as pools,
     ):
         encoders = [first.running.url, second.running.url]
@@ -145,8 +145,8 @@ async def test_a_failover_lands_in_a_fresh_slot_while_the_first_encoder_still_wr
     never in the one B answered 200 for, which the rank has read and reused by then."""
     slow = DelayedTransferEngine(rank_engines.server, delay=3.0)
     async with (
-        serving(slow) as first,
-        serving(rank_engines.server) as second,
+        http_server(slow) as first,
+        http_server(rank_engines.server) as second,
         landing_pools(rank_engines, 2 * embedding_size(1) + 64) as pools,
     ):
         encoders = [first.running.url, second.running.url]
@@ -179,7 +179,7 @@ async def test_a_send_failing_with_the_requests_own_error_quarantines_its_slot(
     transfer the server gave up on may still write into it."""
     failing = FaultyEngine(rank_engines.server, FaultPlan(transfer=1.0))
     async with (
-        serving(failing, send_timeout=1.0) as only,
+        http_server(failing, send_timeout=1.0) as only,
         landing_pools(rank_engines, embedding_size(1)) as pools,
         FleetClient([only.running.url]) as client,
     ):

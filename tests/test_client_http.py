@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from support.engines import DEAD_SESSION, RankEngines
-from support.harness import landing_pools, serving
+from support.harness import http_server, landing_pools
 from trio_encode.client import EncodeClient, EngineFailed, RequestRejected
 from trio_encode.errors import (
     InvalidInput,
@@ -26,7 +26,7 @@ async def test_errors_come_back_typed_with_status_message_and_req_id(
 ) -> None:
     stray = torch.zeros(embedding_size(1), dtype=torch.uint8)
     async with (
-        serving(rank_engines.server, max_body_bytes=4096, shutdown_grace=0.1) as harness,
+        http_server(rank_engines.server, max_body_bytes=4096, shutdown_grace=0.1) as harness,
         landing_pools(rank_engines, 2 * embedding_size(1)) as pools,
     ):
         client = harness.client
@@ -63,7 +63,7 @@ async def test_errors_come_back_typed_with_status_message_and_req_id(
 
 
 async def test_a_token_the_server_does_not_share_is_rejected(rank_engines: RankEngines) -> None:
-    async with serving(rank_engines.server, token="right") as harness:
+    async with http_server(rank_engines.server, token="right") as harness:
         async with EncodeClient(harness.running.url, token="wrong") as client:
             with pytest.raises(Unauthorized) as rejected:
                 await client.encode("t", [ITEM])

@@ -16,9 +16,9 @@ from support.fake_encoder import (
     Events,
     FakeBackend,
     SlowForward,
+    encoder_running,
     image,
     inline,
-    serving,
 )
 from trio_encode.arena import Arena
 from trio_encode.embedding import ArenaEmbedding, Embedding
@@ -48,7 +48,7 @@ async def test_rows_are_written_into_segments_of_the_arena(
 ) -> None:
     arena = Arena(1 << 20)
     encoder = make(arena)
-    async with serving(encoder):
+    async with encoder_running(encoder):
         embedding = await encoder.encode([image(10), image(20), image(10)])
     assert isinstance(embedding, ArenaEmbedding)
     assert reds(embedding) == [10, 10, 20, 20, 10, 10]
@@ -63,7 +63,7 @@ async def test_rows_are_written_into_segments_of_the_arena(
 async def test_the_arena_is_the_cache(autojump_clock: trio.testing.MockClock) -> None:
     arena = Arena(1 << 20)
     encoder = make(arena, cache_bytes=1 << 20)
-    async with serving(encoder):
+    async with encoder_running(encoder):
         first = await encoder.encode([image(30)])
         first.release()
         started = trio.current_time()
@@ -80,7 +80,7 @@ async def test_a_full_arena_is_waited_on_and_its_room_used(
     then is served from the arena, with no fallback."""
     arena = Arena(4096, cache_bytes=0)
     encoder = make(arena)
-    async with serving(encoder):
+    async with encoder_running(encoder):
         held = await encoder.encode([image(1)])
         result: list[Embedding | ArenaEmbedding] = []
 
@@ -105,7 +105,7 @@ async def test_a_full_arena_falls_back_to_ordinary_memory_after_waiting(
     request is served (it will register its own embedding) and the fallback is counted."""
     arena = Arena(4096, cache_bytes=0)
     encoder = make(arena)
-    async with serving(encoder):
+    async with encoder_running(encoder):
         held = await encoder.encode([image(1)])
         started = trio.current_time()
         embedding = await encoder.encode([image(2)])
@@ -140,7 +140,7 @@ async def test_an_arena_too_small_for_any_image_is_not_waited_on(
         run_forward=SlowForward(),
         arena=arena,
     )
-    async with serving(encoder):
+    async with encoder_running(encoder):
         started = trio.current_time()
         embedding = await encoder.encode([image(5)])
         elapsed = trio.current_time() - started
@@ -155,7 +155,7 @@ async def test_a_request_cancelled_while_waiting_for_room_leaves_nothing(
 ) -> None:
     arena = Arena(2 * 4096, cache_bytes=0)
     encoder = make(arena)
-    async with serving(encoder):
+    async with encoder_running(encoder):
         held = await encoder.encode([image(1)])
         with trio.move_on_after(ARENA_WAIT / 4):
             await encoder.encode([image(2), image(3)])  # one segment free, one to wait for

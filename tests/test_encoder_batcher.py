@@ -21,11 +21,11 @@ from support.fake_encoder import (
     FakeBackend,
     SlowForward,
     T,
+    encoder_running,
     image,
     inline,
     make,
     reds,
-    serving,
 )
 from trio_encode.embedding import Embedding
 from trio_encode.encoder import ImageEncoder
@@ -41,7 +41,7 @@ async def test_concurrent_requests_share_one_forward(
     async def one(red: int) -> None:
         results[red] = await encoder.encode([image(red)])
 
-    async with serving(encoder), trio.open_nursery() as nursery:
+    async with encoder_running(encoder), trio.open_nursery() as nursery:
         for red in (10, 20, 30):
             nursery.start_soon(one, red)
     assert [sorted(batch) for batch in backend.batches] == [[10, 20, 30]]
@@ -61,7 +61,7 @@ async def test_batches_hold_at_most_max_batch_size_images(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     encoder, backend, _ = make(replace(SETTINGS, max_batch_size=2))
-    async with serving(encoder):
+    async with encoder_running(encoder):
         embedding = await encoder.encode([image(r) for r in (1, 2, 3, 4, 5)])
     assert backend.batches == [[1, 2], [3, 4], [5]]
     assert reds(embedding) == [1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
@@ -72,7 +72,7 @@ async def test_a_lone_image_waits_at_most_max_batch_wait(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     encoder, _, events = make(replace(SETTINGS, max_batch_wait=0.25))
-    async with serving(encoder):
+    async with encoder_running(encoder):
         start = trio.current_time()
         await encoder.encode([image(1)])
         assert trio.current_time() - start == pytest.approx(0.25 + FORWARD_SECONDS)
@@ -83,7 +83,7 @@ async def test_images_queued_during_a_forward_do_not_wait_again(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     encoder, backend, _ = make(replace(SETTINGS, max_batch_wait=0.5))
-    async with serving(encoder), trio.open_nursery() as nursery:
+    async with encoder_running(encoder), trio.open_nursery() as nursery:
         nursery.start_soon(encoder.encode, [image(1)])
         await trio.sleep(0.6)  # the first batch is running now
         nursery.start_soon(encoder.encode, [image(2)])
@@ -103,7 +103,7 @@ async def test_full_queue_raises_overloaded(autojump_clock: trio.testing.MockClo
         await encoder.encode([image(r) for r in reds_])
         outcomes.append(",".join(map(str, reds_)))
 
-    async with serving(encoder):
+    async with encoder_running(encoder):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(one, [1])
             await trio.sleep(0.1)  # image 1 is in the forward; the queue is empty
@@ -125,7 +125,7 @@ async def test_a_request_larger_than_the_queue_is_invalid(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     encoder, _, _ = make(replace(SETTINGS, queue_size=2))
-    async with serving(encoder):
+    async with encoder_running(encoder):
         with pytest.raises(InvalidInput, match="at most 2"):
             await encoder.encode([image(1), image(2), image(3)])
         with pytest.raises(InvalidInput, match="at least one image"):
@@ -136,7 +136,7 @@ async def test_cancelled_while_queued_is_removed_and_never_encoded(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     encoder, backend, _ = make(replace(SETTINGS, max_batch_size=1))
-    async with serving(encoder):
+    async with encoder_running(encoder):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(encoder.encode, [image(1)])
             await trio.sleep(0.1)  # image 1 is in the forward
@@ -154,7 +154,7 @@ async def test_cancelled_while_its_batch_runs_gets_nothing_and_harms_nobody(
 ) -> None:
     encoder, backend, _ = make()
     results: list[Embedding] = []
-    async with serving(encoder), trio.open_nursery() as nursery:
+    async with encoder_running(encoder), trio.open_nursery() as nursery:
 
         async def sibling() -> None:
             results.append(await encoder.encode([image(2)]))
@@ -172,7 +172,7 @@ async def test_cancelled_with_some_images_running_withdraws_the_rest(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     encoder, backend, _ = make(replace(SETTINGS, max_batch_size=2))
-    async with serving(encoder):
+    async with encoder_running(encoder):
         with trio.move_on_after(0.5):
             await encoder.encode([image(r) for r in (1, 2, 3, 4)])
         assert encoder.queued_images == 0
@@ -192,7 +192,7 @@ async def test_model_failure_fails_every_request_in_the_batch(
         except EncodeFailed as exc:
             errors.append(exc)
 
-    async with serving(encoder):
+    async with encoder_running(encoder):
         backend.fail = True
         async with trio.open_nursery() as nursery:
             nursery.start_soon(one, 1)
@@ -210,7 +210,7 @@ async def test_cached_requests_never_touch_the_queue_and_share_memory(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     encoder, backend, events = make(replace(SETTINGS, cache_bytes=1 << 20))
-    async with serving(encoder):
+    async with encoder_running(encoder):
         first = await encoder.encode([image(1)])
         start = trio.current_time()
         again = await encoder.encode([image(1)])
@@ -229,7 +229,7 @@ async def test_bad_image_is_invalid_input_and_leaves_nothing(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     encoder, backend, _ = make()
-    async with serving(encoder):
+    async with encoder_running(encoder):
         with pytest.raises(InvalidInput, match=r"mm_items\[1\]: the data is not a PNG"):
             await encoder.encode([image(1), b"not an image"])
         assert encoder.queued_images == 0
@@ -277,7 +277,7 @@ async def test_not_running_is_not_ready_and_stopping_fails_waiters(
 async def test_warm_up_runs_before_ready(autojump_clock: trio.testing.MockClock) -> None:
     encoder, backend, _ = make(replace(SETTINGS, warmup=True))
     assert not encoder.ready
-    async with serving(encoder):
+    async with encoder_running(encoder):
         assert encoder.ready
         assert backend.batches == [[0]]
     info = encoder.info
@@ -298,7 +298,7 @@ async def test_concurrent_requests_with_the_same_image_encode_it_once(
     async def one(name: str, reds_: list[int]) -> None:
         results[name] = await encoder.encode([image(r) for r in reds_])
 
-    async with serving(encoder), trio.open_nursery() as nursery:
+    async with encoder_running(encoder), trio.open_nursery() as nursery:
         nursery.start_soon(one, "a", [5])
         nursery.start_soon(one, "b", [5])
         nursery.start_soon(one, "mixed", [5, 6, 5])  # shared, its own, and its own duplicate
@@ -326,7 +326,7 @@ async def test_an_image_queued_while_another_request_decoded_it_is_joined(
     async def one() -> None:
         results.append(await encoder.encode([image(5)]))
 
-    async with serving(encoder), trio.open_nursery() as nursery:
+    async with encoder_running(encoder), trio.open_nursery() as nursery:
         nursery.start_soon(one)  # both miss the in-flight map and decode image 5
         nursery.start_soon(one)
     assert backend.batches == [[5]]
@@ -343,7 +343,7 @@ async def test_first_requester_cancelled_while_queued_leaves_the_job_to_the_seco
     async def second() -> None:
         results.append(await encoder.encode([image(2)]))
 
-    async with serving(encoder):
+    async with encoder_running(encoder):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(encoder.encode, [image(1)])
             await trio.sleep(0.1)  # image 1 is in the forward until 1.01
@@ -362,7 +362,7 @@ async def test_every_requester_cancelled_while_queued_withdraws_the_shared_job(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     encoder, backend, _ = make(replace(SETTINGS, max_batch_size=1))
-    async with serving(encoder):
+    async with encoder_running(encoder):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(encoder.encode, [image(1)])
             await trio.sleep(0.1)  # image 1 is in the forward until 1.01
@@ -388,7 +388,7 @@ async def test_model_failure_reaches_every_request_waiting_on_the_job(
             await encoder.encode([image(4)])
         errors.append(info.value)
 
-    async with serving(encoder):
+    async with encoder_running(encoder):
         backend.fail = True
         async with trio.open_nursery() as nursery:
             nursery.start_soon(one)
@@ -409,7 +409,7 @@ async def test_a_shared_image_counts_once_against_the_queue(
     async def sharer() -> None:
         results.append(await encoder.encode([image(2), image(4)]))
 
-    async with serving(encoder):
+    async with encoder_running(encoder):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(encoder.encode, [image(1)])
             await trio.sleep(0.1)  # image 1 is in the forward until 1.01

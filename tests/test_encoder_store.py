@@ -13,7 +13,7 @@ import pytest
 import torch
 import trio
 
-from support.fake_encoder import SETTINGS, Fingerprinted, image, inline, serving
+from support.fake_encoder import SETTINGS, Fingerprinted, encoder_running, image, inline
 from trio_encode.arena import Arena
 from trio_encode.embedding import ArenaEmbedding
 from trio_encode.encoder import CacheKey, ImageEncoder
@@ -288,7 +288,7 @@ async def test_a_pending_store_put_keeps_its_segment_from_reuse() -> None:
     events = Events()
     client = ReadingClient()
     encoder, arena, store = await _serving_with_store(client, events)
-    async with serving(encoder):
+    async with encoder_running(encoder):
         await _until(lambda: store.connected)
         x = await encoder.encode([image(10)])
         assert isinstance(x, ArenaEmbedding)
@@ -317,7 +317,7 @@ async def test_an_abandoned_store_put_keeps_its_lease_until_it_returns(
     events = Events()
     client = ReadingClient()
     encoder, arena, store = await _serving_with_store(client, events)
-    async with serving(encoder):
+    async with encoder_running(encoder):
         await _until(lambda: store.connected)
         x = await encoder.encode([image(10)])
         x.release()

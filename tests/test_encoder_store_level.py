@@ -14,10 +14,10 @@ from support.fake_encoder import (
     FakeBackend,
     Fingerprinted,
     SlowForward,
+    encoder_running,
     image,
     inline,
     reds,
-    serving,
 )
 from trio_encode.encoder import ImageEncoder
 
@@ -67,14 +67,14 @@ async def test_a_store_hit_skips_the_forward_and_a_forward_is_offered_back(
 ) -> None:
     store = DictStore()
     first, first_model = make(store)
-    async with serving(first):
+    async with encoder_running(first):
         computed = await first.encode([image(40)])
     assert first_model.encoded == [40]
     assert len(store.puts) == 1
     assert store.puts[0].startswith("trio-encode/fake-model/")
 
     second, second_model = make(store)  # another encoder of the fleet, same model
-    async with serving(second):
+    async with encoder_running(second):
         served = await second.encode([image(40)])
     assert second_model.encoded == []
     assert reds(served) == reds(computed)
@@ -87,7 +87,7 @@ async def test_images_in_flight_here_are_joined_not_looked_up(
 ) -> None:
     store = DictStore()
     encoder, model = make(store)
-    async with serving(encoder), trio.open_nursery() as nursery:
+    async with encoder_running(encoder), trio.open_nursery() as nursery:
         nursery.start_soon(encoder.encode, [image(50)])
         await trio.sleep(FORWARD / 2)  # the first missed the store and runs its forward
         await encoder.encode([image(50)])
@@ -100,14 +100,14 @@ async def test_a_model_with_another_fingerprint_does_not_hit(
 ) -> None:
     store = DictStore()
     first, _ = make(store)
-    async with serving(first):
+    async with encoder_running(first):
         await first.encode([image(60)])
 
     class Other(FakeBackend):
         fingerprint = "other-model"
 
     second, other = make(store, Other())
-    async with serving(second):
+    async with encoder_running(second):
         await second.encode([image(60)])
     assert other.encoded == [60]
 
@@ -117,7 +117,7 @@ async def test_requests_for_an_image_being_read_from_the_store_share_the_read(
 ) -> None:
     store = DictStore(latency=0.1)
     seeded, _ = make(store)
-    async with serving(seeded):
+    async with encoder_running(seeded):
         computed = await seeded.encode([image(70)])
     store.gets.clear()
     encoder, model = make(store)
@@ -126,7 +126,7 @@ async def test_requests_for_an_image_being_read_from_the_store_share_the_read(
     async def one() -> None:
         got.append(await encoder.encode([image(70)]))
 
-    async with serving(encoder), trio.open_nursery() as nursery:
+    async with encoder_running(encoder), trio.open_nursery() as nursery:
         nursery.start_soon(one)
         await trio.sleep(0.05)  # the first request's store read is under way
         nursery.start_soon(one)
@@ -141,7 +141,7 @@ async def test_a_cancelled_reader_releases_those_waiting_on_its_read(
 ) -> None:
     store = DictStore(latency=0.1)
     encoder, model = make(store)
-    async with serving(encoder), trio.open_nursery() as nursery:
+    async with encoder_running(encoder), trio.open_nursery() as nursery:
         reader = trio.CancelScope()
 
         async def cancelled_reader() -> None:

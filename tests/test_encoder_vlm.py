@@ -21,7 +21,7 @@ import trio
 from PIL import Image
 
 from support.engines import RankEngines
-from support.harness import landing_pools, serving
+from support.harness import http_server, landing_pools
 from support.vlms import FAMILIES, TinyVLM, build
 from trio_encode.embedding import ArenaEmbedding
 from trio_encode.encoder import EncoderSettings, ImageEncoder, load_backend
@@ -182,7 +182,7 @@ async def test_over_http_the_answer_and_the_landed_bytes_are_the_models(
     images = [Image.open(io.BytesIO(data)).convert("RGB") for data in PHOTOS]
     expected = tiny.reference(images, torch.float32)
     async with (
-        serving(rank_engines.server, encoder=encoder) as harness,
+        http_server(rank_engines.server, encoder=encoder) as harness,
         landing_pools(rank_engines, expected.numel() * 4 + 4096) as pools,
     ):
         with trio.fail_after(60):

@@ -15,7 +15,7 @@ import torch
 import trio
 
 from support.engines import TP, RankEngines
-from support.harness import landing_pools, serving
+from support.harness import http_server, landing_pools
 from support.models import SMALL, direct
 from trio_encode.client import EncodeClient, LandingPool, LandingSlot, metric_value
 from trio_encode.encoder import ImageEncoder
@@ -56,7 +56,7 @@ async def test_tp4_over_the_arena_registers_once_for_all_requests(
     shared = noise_uri(900)
     requests = {f"arena-{i}": [noise_uri(300 + i), shared] for i in range(6)}
     async with (
-        serving(rank_engines.server, encoder=encoder) as harness,
+        http_server(rank_engines.server, encoder=encoder) as harness,
         landing_pools(rank_engines, len(requests) * 2 * ROW + 4096) as pools,
     ):
         landed = await run_ranks(harness.client, pools, requests)
@@ -84,7 +84,7 @@ async def test_a_full_arena_falls_back_to_per_request_registration(
     encoder = ImageEncoder.from_settings(replace(SMALL, arena_bytes=ROW, cache_bytes=0))
     requests = {f"full-{i}": [noise_uri(500 + 2 * i), noise_uri(501 + 2 * i)] for i in range(3)}
     async with (
-        serving(rank_engines.server, encoder=encoder) as harness,
+        http_server(rank_engines.server, encoder=encoder) as harness,
         landing_pools(rank_engines, len(requests) * 2 * ROW + 4096) as pools,
     ):
         landed = await run_ranks(harness.client, pools, requests)

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from support.engines import DEAD_SESSION, RankEngines
-from support.harness import Harness, landing_pools, serving
+from support.harness import Harness, http_server, landing_pools
 from trio_encode.client import LandingPool
 from trio_encode.testing.images import image_uri
 from trio_encode.testing.stand_in_encoder import embedding_size
@@ -332,7 +332,7 @@ async def test_bad_input_gets_a_contract_error_and_leaves_nothing(
 ) -> None:
     caplog.set_level(logging.INFO, logger="trio_encode.access")
     async with (
-        serving(rank_engines.server, max_body_bytes=MAX_BODY) as harness,
+        http_server(rank_engines.server, max_body_bytes=MAX_BODY) as harness,
         landing_pools(rank_engines, 16 * embedding_size(1)) as pools,
     ):
         ctx = Ctx(harness, pools)
@@ -370,7 +370,7 @@ async def test_routes_outside_the_contract_answer_in_its_error_shape(
     rank_engines: RankEngines,
 ) -> None:
     async with (
-        serving(rank_engines.server) as harness,
+        http_server(rank_engines.server) as harness,
         httpx.AsyncClient(base_url=harness.running.url) as http,
     ):
         missing = await http.get("/nope")
@@ -389,7 +389,7 @@ async def test_a_token_guards_encode_and_send_but_not_health_or_metrics(
     rank_engines: RankEngines,
 ) -> None:
     async with (
-        serving(rank_engines.server, token="s3cret", shutdown_grace=0.1) as harness,
+        http_server(rank_engines.server, token="s3cret", shutdown_grace=0.1) as harness,
         httpx.AsyncClient(base_url=harness.running.url) as http,
     ):
         for headers in ({}, {"Authorization": "Bearer wrong"}):

@@ -7,7 +7,7 @@ import torch
 import trio
 
 from support.engines import TP, RankEngines
-from support.harness import landing_pools, serving
+from support.harness import http_server, landing_pools
 from trio_encode.client import ChecksumMismatch, LandingSlot, metric_value
 from trio_encode.errors import RequestReleased
 from trio_encode.testing.images import image_uri
@@ -25,7 +25,7 @@ async def test_tp4_ranks_encode_and_send_many_requests_at_once(rank_engines: Ran
     size = embedding_size(IMAGES)
     landed: dict[tuple[int, int], tuple[LandingSlot, int]] = {}
     async with (
-        serving(rank_engines.server) as harness,
+        http_server(rank_engines.server) as harness,
         landing_pools(rank_engines, REQUESTS * size + 4096) as pools,
     ):
 
@@ -74,7 +74,7 @@ async def test_a_rank_whose_answer_was_lost_gets_it_again_after_completion(
     repeat. A rank that was never served is told 410, and a corrupted copy fails to verify."""
     size = embedding_size(1)
     async with (
-        serving(rank_engines.server) as harness,
+        http_server(rank_engines.server) as harness,
         landing_pools(rank_engines, 2 * size + 4096) as pools,
     ):
         item = [image_uri(b"lost answer")]

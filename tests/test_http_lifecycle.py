@@ -13,7 +13,7 @@ import torch
 import trio
 
 from support.engines import TP, DelayedTransferEngine, RankEngines
-from support.harness import Harness, landing_pools, serving
+from support.harness import Harness, http_server, landing_pools
 from trio_encode.client import EncodeClient, LandingSlot
 from trio_encode.errors import RequestReleased, ScopeExpired
 from trio_encode.service import ShutdownReport
@@ -43,7 +43,7 @@ async def test_client_disconnecting_mid_transfer_the_transfer_completes_and_coun
     rank_engines: RankEngines,
 ) -> None:
     engine = DelayedTransferEngine(rank_engines.server, delay=0.5)
-    async with serving(engine) as harness, landing_pools(rank_engines, 4 * SIZE) as pools:
+    async with http_server(engine) as harness, landing_pools(rank_engines, 4 * SIZE) as pools:
         await harness.client.encode("gone", [image_uri(IMAGE)], receive_count=2)
         slot = pools[0].allocate(SIZE)
         with trio.move_on_after(0.15) as waited:
@@ -67,7 +67,7 @@ async def test_client_disconnecting_before_its_transfer_started_it_never_happens
     encoder = StandInEncoder(slow_seconds=0.6)
     slow_image = b"SLOW" + IMAGE
     async with (
-        serving(rank_engines.server, encoder) as harness,
+        http_server(rank_engines.server, encoder) as harness,
         landing_pools(rank_engines, 4 * SIZE) as pools,
         trio.open_nursery() as nursery,
     ):
@@ -97,7 +97,7 @@ async def test_a_receiver_that_never_calls_is_ended_by_the_backstop(
 ) -> None:
     encoder = StandInEncoder(slow_seconds=30)
     async with (
-        serving(rank_engines.server, encoder, send_timeout=1.5) as harness,
+        http_server(rank_engines.server, encoder, send_timeout=1.5) as harness,
         landing_pools(rank_engines, 4 * SIZE) as pools,
     ):
         # "lonely": 3 of 4 ranks send; the 4th never calls.
@@ -154,7 +154,7 @@ async def test_shutdown_with_transfers_in_flight_releases_everything(
     requests = 3
     slots: dict[tuple[int, int], LandingSlot] = {}
     async with landing_pools(rank_engines, requests * SIZE + 4096) as pools:
-        async with serving(engine, shutdown_grace=0.5) as harness:
+        async with http_server(engine, shutdown_grace=0.5) as harness:
             encoded = trio.Event()
 
             async def rank(req: int, r: int) -> None:

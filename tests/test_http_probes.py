@@ -10,7 +10,7 @@ import pytest
 import trio
 
 from support.engines import RankEngines
-from support.harness import landing_pools, serving
+from support.harness import http_server, landing_pools
 from trio_encode.client import metric_value
 from trio_encode.server.loading import LoadingEncoder
 from trio_encode.server.metrics import Metrics, build_versions
@@ -42,7 +42,7 @@ async def test_readyz_is_503_until_the_model_has_loaded_while_livez_answers(
 
     loading = LoadingEncoder(load)
     async with (
-        serving(rank_engines.server, encoder=loading, shutdown_grace=0.1) as harness,
+        http_server(rank_engines.server, encoder=loading, shutdown_grace=0.1) as harness,
         httpx.AsyncClient(base_url=harness.running.url) as http,
     ):
         loading.start_loading()
@@ -66,7 +66,7 @@ async def test_readyz_is_503_until_the_model_has_loaded_while_livez_answers(
 
 async def test_draining_fails_readiness_but_not_liveness(rank_engines: RankEngines) -> None:
     async with (
-        serving(rank_engines.server, shutdown_grace=1.0) as harness,
+        http_server(rank_engines.server, shutdown_grace=1.0) as harness,
         httpx.AsyncClient(base_url=harness.running.url) as http,
     ):
         await harness.client.encode("open", [ITEM], receive_count=2)  # keeps shutdown waiting
@@ -86,7 +86,7 @@ async def test_one_access_log_line_per_answer(
 ) -> None:
     with caplog.at_level(logging.INFO, logger="trio_encode.access"):
         async with (
-            serving(rank_engines.server, access_log=enabled, shutdown_grace=0.1) as harness,
+            http_server(rank_engines.server, access_log=enabled, shutdown_grace=0.1) as harness,
             httpx.AsyncClient(base_url=harness.running.url) as http,
         ):
             await harness.client.encode("logged", [ITEM])
@@ -112,7 +112,7 @@ async def test_metrics_time_each_route_and_scope_and_name_the_build(
     rank_engines: RankEngines,
 ) -> None:
     async with (
-        serving(rank_engines.server) as harness,
+        http_server(rank_engines.server) as harness,
         landing_pools(rank_engines, 2 * embedding_size(1)) as pools,
     ):
         await harness.client.encode("m", [ITEM])

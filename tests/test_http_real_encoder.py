@@ -12,7 +12,7 @@ import torch
 import trio
 
 from support.engines import TP, RankEngines
-from support.harness import landing_pools, serving
+from support.harness import http_server, landing_pools
 from support.models import SMALL, direct
 from trio_encode.client import LandingSlot, metric_value
 from trio_encode.encoder import ImageEncoder
@@ -27,7 +27,7 @@ async def test_tp4_ranks_with_the_real_encoder_every_byte_checked(
     landed: dict[tuple[str, int], LandingSlot] = {}
     per_request = 2 * 16 * 256 * 4
     async with (
-        serving(rank_engines.server, encoder=encoder) as harness,
+        http_server(rank_engines.server, encoder=encoder) as harness,
         landing_pools(rank_engines, len(requests) * per_request + 4096) as pools,
     ):
 
@@ -65,7 +65,7 @@ async def test_cache_hit_across_requests_registers_the_shared_memory_once(
     uri = noise_uri(7)
     size = 16 * 256 * 4
     async with (
-        serving(rank_engines.server, encoder=encoder) as harness,
+        http_server(rank_engines.server, encoder=encoder) as harness,
         landing_pools(rank_engines, 4 * size) as pools,
     ):
         slots = [pool.allocate(size) for pool in pools]

@@ -24,7 +24,7 @@ import torch
 import trio
 
 from support.engines import DEAD_SESSION, RankEngines
-from support.harness import Harness, landing_pools, serving
+from support.harness import Harness, http_server, landing_pools
 from support.models import SMALL
 from support.web_server import web_server
 from trio_encode.client import metric_value
@@ -75,7 +75,7 @@ async def test_more_images_than_allowed_are_refused_before_any_is_fetched(
     rank_engines: RankEngines,
 ) -> None:
     encoder = fetching_encoder(queue_size=8)
-    async with web_server() as web, serving(rank_engines.server, encoder=encoder) as harness:
+    async with web_server() as web, http_server(rank_engines.server, encoder=encoder) as harness:
         web.routes["/a.png"] = (200, {}, png(8))
         items = [web.url("/a.png") for _ in range(9)]
         answer = await post(harness, "/encode", {"req_id": "many", "mm_items": items})
@@ -98,7 +98,7 @@ async def test_a_request_reads_only_what_is_left_of_its_byte_budget(
         replace(SMALL, media_dir=tmp_path, max_request_bytes=budget)
     )
     async with (
-        serving(rank_engines.server, encoder=encoder) as harness,
+        http_server(rank_engines.server, encoder=encoder) as harness,
         landing_pools(rank_engines, 8 * ROW) as pools,
     ):
         names = [f"{index}.png" for index in range(5)]
@@ -125,7 +125,7 @@ async def test_a_request_s_pixels_are_counted_from_headers_before_any_decode(
 
     monkeypatch.setattr(backend_module, "decode_image", counting_decode)
     encoder = ImageEncoder.from_settings(replace(SMALL, max_request_pixels=2 * 64 * 64))
-    async with serving(rank_engines.server, encoder=encoder) as harness:
+    async with http_server(rank_engines.server, encoder=encoder) as harness:
         items = [image_uri(png(64, seed)) for seed in range(3)]
         decoded.clear()  # the warm-up's own
         answer = await post(harness, "/encode", {"req_id": "pixels", "mm_items": items})
@@ -140,7 +140,7 @@ async def test_live_requests_are_capped_and_the_cap_says_when_to_retry(
     rank_engines: RankEngines,
 ) -> None:
     async with (
-        serving(rank_engines.server, max_live_scopes=2) as harness,
+        http_server(rank_engines.server, max_live_scopes=2) as harness,
         landing_pools(rank_engines, 4 * embedding_size(1)) as pools,
     ):
         for req_id in ("a", "b"):
@@ -160,7 +160,7 @@ async def test_live_requests_are_capped_and_the_cap_says_when_to_retry(
 
 async def test_bytes_held_by_live_requests_are_capped(rank_engines: RankEngines) -> None:
     async with (
-        serving(rank_engines.server, max_held_bytes=embedding_size(1)) as harness,
+        http_server(rank_engines.server, max_held_bytes=embedding_size(1)) as harness,
         landing_pools(rank_engines, 2 * embedding_size(1)) as pools,
     ):
         await harness.client.encode("a", [image_uri("a")], receive_count=1)
@@ -235,7 +235,7 @@ async def test_only_encode_takes_large_bodies(rank_engines: RankEngines) -> None
         for _ in range(100):
             yield b" " * 10_000
 
-    async with serving(rank_engines.server) as harness:
+    async with http_server(rank_engines.server) as harness:
         for route in ("/send", "/scheduler_receive_meta_data"):
             for body in (big, streamed()):
                 status, kind, message = error_of(await post(harness, route, body))
@@ -265,7 +265,7 @@ def test_body_limits_reach_into_no_private_state_of_quart() -> None:
 async def test_heavy_unknown_fields_and_deep_nesting_are_refused_not_parsed(
     rank_engines: RankEngines,
 ) -> None:
-    async with serving(rank_engines.server) as harness:
+    async with http_server(rank_engines.server) as harness:
         base = {"req_id": "h", "mm_items": [ITEM]}
         for body in (
             json.dumps(base | {"hashes": [{}] * 200_000}).encode(),
@@ -302,7 +302,7 @@ async def test_many_copies_of_one_cached_image_are_sent_as_they_lie(
     encoder = ImageEncoder.from_settings(SMALL)
     image = noise_uri(5)
     async with (
-        serving(rank_engines.server, encoder=encoder) as harness,
+        http_server(rank_engines.server, encoder=encoder) as harness,
         landing_pools(rank_engines, 64 * ROW) as pools,
     ):
         encoded = await harness.client.encode("copies", [image] * 64, receive_count=1)
@@ -358,7 +358,7 @@ async def test_a_compressed_answer_is_refused_without_inflating_it(
     """A small gzip body that inflates to 64 MiB: refused from its header, never inflated."""
     bomb = gzip.compress(gzip.compress(b"\0" * (64 << 20)))
     encoder = fetching_encoder()
-    async with web_server() as web, serving(rank_engines.server, encoder=encoder) as harness:
+    async with web_server() as web, http_server(rank_engines.server, encoder=encoder) as harness:
         web.routes["/bomb.png"] = (200, {"Content-Encoding": "gzip, gzip"}, bomb)
         answer = await post(
             harness, "/encode", {"req_id": "bomb", "mm_items": [web.url("/bomb.png")]}
@@ -401,7 +401,7 @@ async def test_no_unauthenticated_route_and_no_error_shows_the_engine_or_an_addr
     rank_engines: RankEngines,
 ) -> None:
     async with (
-        serving(rank_engines.server, token="t0ken") as harness,
+        http_server(rank_engines.server, token="t0ken") as harness,
         landing_pools(rank_engines, embedding_size(1)) as pools,
         httpx.AsyncClient(base_url=harness.running.url) as http,
     ):
@@ -438,7 +438,7 @@ async def test_an_engine_write_into_the_arena_is_detected_and_never_served(
     encoder = ImageEncoder.from_settings(replace(SMALL, arena_bytes=1 << 20), observer=observed)
     image = noise_uri(11)
     async with (
-        serving(rank_engines.server, encoder=encoder) as harness,
+        http_server(rank_engines.server, encoder=encoder) as harness,
         landing_pools(rank_engines, 2 * ROW) as pools,
     ):
         pool = pools[0]
@@ -469,7 +469,7 @@ async def test_an_engine_write_into_the_arena_is_detected_and_never_served(
 
 async def test_a_receiver_outside_the_allowed_hosts_is_refused(rank_engines: RankEngines) -> None:
     async with (
-        serving(rank_engines.server) as harness,
+        http_server(rank_engines.server) as harness,
         landing_pools(rank_engines, embedding_size(1)) as pools,
     ):
         await harness.client.encode("r", [ITEM], receive_count=1)
@@ -520,7 +520,7 @@ async def test_a_send_from_another_host_than_the_prefill_host_is_refused(
     rank_engines: RankEngines,
 ) -> None:
     async with (
-        serving(rank_engines.server, allowed_receivers="10.0.0.0/8") as harness,
+        http_server(rank_engines.server, allowed_receivers="10.0.0.0/8") as harness,
         landing_pools(rank_engines, 2 * embedding_size(1)) as pools,
     ):
         pool = pools[0]
@@ -538,7 +538,7 @@ async def test_a_send_from_another_host_than_the_prefill_host_is_refused(
         await harness.client.send("here", pool.session_id, slot.address)
         await harness.running.service.shutdown()
     async with (
-        serving(rank_engines.server, receivers_match_prefill_host=False) as harness,
+        http_server(rank_engines.server, receivers_match_prefill_host=False) as harness,
         landing_pools(rank_engines, embedding_size(1)) as pools,
     ):
         await harness.client.encode("multi-node", [ITEM], prefill_host="10.9.9.9")
@@ -551,7 +551,7 @@ async def test_a_client_s_sends_in_flight_are_capped(rank_engines: RankEngines) 
     is refused; once the first has answered, the second goes through."""
     slow = {"req_id": "s", "mm_items": [image_uri(b"SLOW image")], "receive_count": 2}
     async with (
-        serving(
+        http_server(
             rank_engines.server, encoder=StandInEncoder(slow_seconds=1.0), max_sends_per_client=1
         ) as harness,
         landing_pools(rank_engines, embedding_size(1)) as pools,
@@ -583,7 +583,7 @@ async def test_req_ids_cannot_split_log_lines_or_send_terminal_escapes(
     hostile = "r\r\n level=ERROR fake=1 \x1b[2J\x00\u2028end"
     formatter = KeyValueFormatter()
     with caplog.at_level(logging.INFO):
-        async with serving(rank_engines.server) as harness:
+        async with http_server(rank_engines.server) as harness:
             await post(harness, "/encode", {"req_id": hostile, "mm_items": ["nope"]})
             await harness.settled()
     lines = [
@@ -600,7 +600,7 @@ async def test_req_ids_cannot_split_log_lines_or_send_terminal_escapes(
 
 async def test_a_pull_shows_sizes_but_not_the_checksum(rank_engines: RankEngines) -> None:
     async with (
-        serving(rank_engines.server) as harness,
+        http_server(rank_engines.server) as harness,
         landing_pools(rank_engines, embedding_size(1)) as pools,
     ):
         await harness.client.encode("p", [ITEM], receive_count=1)

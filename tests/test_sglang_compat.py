@@ -29,7 +29,7 @@ import trio
 import zmq
 
 from support.engines import TP, RankEngines
-from support.harness import Harness, landing_pools, serving
+from support.harness import Harness, http_server, landing_pools
 from support.sglang_pickle import EmbeddingData, Modality, safe_loads
 from trio_encode.client import LandingPool, metric_value
 from trio_encode.testing.images import image_uri
@@ -205,7 +205,7 @@ async def run_request(
 async def test_one_part_one_image_pulls_after_encode(rank_engines: RankEngines) -> None:
     image = b"one image" * 40
     async with (
-        serving(rank_engines.server) as harness,
+        http_server(rank_engines.server) as harness,
         landing_pools(rank_engines, 1 << 20) as pools,
     ):
         encodes, ranks = await run_request(
@@ -238,7 +238,7 @@ async def test_two_multi_image_parts_pulled_before_the_encode(rank_engines: Rank
         ],
     ]
     async with (
-        serving(rank_engines.server) as harness,
+        http_server(rank_engines.server) as harness,
         landing_pools(rank_engines, 1 << 22) as pools,
     ):
         encodes, ranks = await run_request(harness, pools, "rid-b", items, pulls_first=True)
@@ -258,7 +258,7 @@ async def test_two_multi_image_parts_pulled_before_the_encode(rank_engines: Rank
 async def test_many_requests_at_once_in_both_orders(rank_engines: RankEngines) -> None:
     """Requests overlap, some with pulls first and some after; every copy is exact."""
     async with (
-        serving(rank_engines.server) as harness,
+        http_server(rank_engines.server) as harness,
         landing_pools(rank_engines, 1 << 23) as pools,
     ):
         results: dict[int, list[Rank]] = {}
@@ -300,7 +300,7 @@ async def test_a_failed_encode_fails_every_rank_with_its_message(rank_engines: R
     (not at its backstop); later pulls of either part get the failure at once."""
     items = [[image_uri(b"fine" * 30)], [image_uri(b"FAIL" * 30)]]
     async with (
-        serving(rank_engines.server, send_timeout=60.0) as harness,
+        http_server(rank_engines.server, send_timeout=60.0) as harness,
         landing_pools(rank_engines, 1 << 20) as pools,
     ):
         encodes, ranks = await run_request(harness, pools, "rid-f", items, pulls_first=True)
@@ -335,7 +335,7 @@ async def test_a_bad_image_answers_pulls_at_once_also_those_after_it(
     180 s pull timeout), while a corrected /encode may still reuse the id."""
     items = [[image_uri(b"BAD image" * 30)]]
     async with (
-        serving(rank_engines.server, shutdown_grace=0) as harness,
+        http_server(rank_engines.server, shutdown_grace=0) as harness,
         landing_pools(rank_engines, 1 << 20) as pools,
     ):
         encodes, ranks = await run_request(harness, pools, "rid-bad", items, pulls_first=True)
@@ -361,7 +361,7 @@ async def test_an_encode_naming_ranks_tells_each_of_them_it_failed(
     try:
         ports = [pull.bind_to_random_port(f"tcp://{PREFILL_HOST}") for pull in pulls]
         body = tokenizer_bodies("rid-e", [[image_uri(b"FAIL" * 30)]])[0] | {"embedding_port": ports}
-        async with serving(rank_engines.server) as harness:
+        async with http_server(rank_engines.server) as harness:
             async with httpx.AsyncClient(base_url=harness.running.url) as http:
                 assert (await http.post("/encode", json=body)).status_code == 500
             for pull in pulls:
@@ -383,7 +383,7 @@ async def test_an_encode_naming_ranks_tells_each_of_them_it_failed(
 
 
 async def test_a_pull_for_an_id_no_encode_names_gets_504(rank_engines: RankEngines) -> None:
-    async with serving(rank_engines.server, pull_timeout=0.3) as harness:
+    async with http_server(rank_engines.server, pull_timeout=0.3) as harness:
         async with httpx.AsyncClient(base_url=harness.running.url) as http:
             response = await http.post(
                 "/scheduler_receive_meta_data", json={"req_id": "never", "part_idx": 0}
@@ -408,7 +408,7 @@ async def test_sglang_bodies_that_are_wrong_get_400_and_leave_nothing(
     rank_engines: RankEngines, change: dict[str, Any], complaint: str
 ) -> None:
     body = tokenizer_bodies("bad", [[image_uri(b"x" * 30)]])[0] | change
-    async with serving(rank_engines.server) as harness:
+    async with http_server(rank_engines.server) as harness:
         async with httpx.AsyncClient(base_url=harness.running.url) as http:
             response = await http.post("/encode", json=body)
         assert response.status_code == 400
@@ -424,7 +424,7 @@ async def test_multi_images_modality_and_hashes_are_accepted(rank_engines: RankE
         "hashes": ["not-trusted"],
     }
     async with (
-        serving(rank_engines.server) as harness,
+        http_server(rank_engines.server) as harness,
         landing_pools(rank_engines, 1 << 20) as pools,
     ):
         async with httpx.AsyncClient(base_url=harness.running.url) as http:
@@ -455,7 +455,7 @@ async def test_completion_messages_go_only_to_allowed_hosts(rank_engines: RankEn
     """The server pushes to ``prefill_host``: the receivers' rule applies to it (loopback
     only here), before anything is encoded or sent."""
     body = tokenizer_bodies("far", [[image_uri(b"x" * 30)]])[0]
-    async with serving(rank_engines.server) as harness:
+    async with http_server(rank_engines.server) as harness:
         async with httpx.AsyncClient(base_url=harness.running.url) as http:
             encoded = await http.post(
                 "/encode", json=body | {"prefill_host": "203.0.113.9", "embedding_port": [5555]}

@@ -112,7 +112,9 @@ def make(settings: EncoderSettings = SETTINGS) -> tuple[ImageEncoder, FakeBacken
 
 
 @asynccontextmanager
-async def serving(encoder: ImageEncoder) -> AsyncIterator[trio.Nursery]:
+async def encoder_running(encoder: ImageEncoder) -> AsyncIterator[trio.Nursery]:
+    """``encoder`` running its batches for the body of the ``async with`` (no HTTP server);
+    the nursery it runs in is yielded for the body's own tasks."""
     async with trio.open_nursery() as nursery:
         await nursery.start(encoder.run)
         yield nursery

@@ -49,7 +49,7 @@ class Harness:
 
 
 @asynccontextmanager
-async def serving(
+async def http_server(
     engine: TransferEngine, encoder: Encoder | None = None, **settings: Any
 ) -> AsyncIterator[Harness]:
     """A server on ``127.0.0.1:0`` for the body of the ``async with``, and a client for it."""
