@@ -178,7 +178,7 @@ async def test_a_row_shared_through_the_cache_is_held_once(rank_engines: RankEng
     encoder = ImageEncoder.from_settings(SMALL)
     shared, other = noise_uri(21), noise_uri(22)
     async with (
-        serving(rank_engines.server, encoder=encoder, max_held_bytes=2 * ROW) as harness,
+        http_server(rank_engines.server, encoder=encoder, max_held_bytes=2 * ROW) as harness,
         landing_pools(rank_engines, 64 * ROW) as pools,
     ):
         service = harness.running.service
@@ -202,7 +202,7 @@ async def test_the_held_bytes_check_does_not_visit_every_live_request(
     """``max_held_bytes`` is checked on every /encode: a running total, not a pass over the
     live requests (counted: no live request's scope is listed for it)."""
     async with (
-        serving(rank_engines.server) as harness,
+        http_server(rank_engines.server) as harness,
         landing_pools(rank_engines, embedding_size(1)) as pools,
     ):
         service = harness.running.service
