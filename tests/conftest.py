@@ -221,7 +221,9 @@ def captured(monkeypatch: pytest.MonkeyPatch, wrappers: list[Any]) -> list[Serve
     ``wrappers``) and stops at once."""
     seen: list[ServerSettings] = []
 
-    async def fake_run_server(settings: ServerSettings, *, wrap_engine: Any) -> ShutdownReport:
+    async def fake_run_server(
+        settings: ServerSettings, *, wrap_engine: Any, wrap_model: Any
+    ) -> ShutdownReport:
         seen.append(settings)
         wrappers.append(wrap_engine)
         return ShutdownReport(finished=0, cut_short=0)

@@ -61,7 +61,8 @@ def serve(**options: Any) -> None:
         capture_native_stderr()  # Mooncake's glog lines and this command's own lines too
     from trio_encode.server.serve import run_server
 
-    report = _run(partial(run_server, wrap_engine=drill.wrap), settings)
+    serving = partial(run_server, wrap_engine=drill.wrap, wrap_model=drill.wrap_model)
+    report = _run(serving, settings)
     click.echo(
         f"stopped: {report.finished} requests finished during shutdown, "
         f"{report.cut_short} cut short",

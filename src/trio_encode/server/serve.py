@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
+from typing import TYPE_CHECKING
 
 import trio
 from hypercorn.config import Config, Sockets
@@ -35,6 +36,9 @@ from trio_encode.server.metrics import Metrics
 from trio_encode.service import Encoder, EncodeService, ShutdownReport
 from trio_encode.settings import ServerSettings
 from trio_encode.sizes import format_size
+
+if TYPE_CHECKING:
+    from trio_encode.encoder import VisionModel
 
 log = logging.getLogger(__name__)
 
@@ -229,17 +233,18 @@ async def run_server(
     settings: ServerSettings,
     *,
     wrap_engine: Callable[[TransferEngine], TransferEngine] | None = None,
+    wrap_model: Callable[[VisionModel], VisionModel] | None = None,
 ) -> ShutdownReport:
     """What ``trio-encode serve`` runs: a Mooncake engine, the server listening at once, the
     image encoder loading behind it (``/readyz`` is 503 until it is loaded), stopped gracefully
     by SIGINT or SIGTERM. ``wrap_engine`` wraps the engine before anything uses it (a drill's
-    fault injector)."""
+    fault injector), ``wrap_model`` the model once loaded (a drill's stamped embeddings)."""
     # The port first: one in use stops the start before the engine and the arena exist.
     sockets = listen(settings)
     bound = sockets.insecure_sockets[0].getsockname()
     log.info("starting", extra=startup_facts(settings, bind=_bind(*bound[:2])))
     try:
-        return await _run_listening(settings, sockets, wrap_engine)
+        return await _run_listening(settings, sockets, wrap_engine, wrap_model)
     finally:
         for sock in sockets.insecure_sockets:
             sock.close()  # idempotent: hypercorn closes those it served on
@@ -273,8 +278,9 @@ async def _run_listening(
     settings: ServerSettings,
     sockets: Sockets,
     wrap_engine: Callable[[TransferEngine], TransferEngine] | None,
+    wrap_model: Callable[[VisionModel], VisionModel] | None = None,
 ) -> ShutdownReport:
-    from trio_encode.encoder import ImageEncoder, arena_for
+    from trio_encode.encoder import ImageEncoder, arena_for, load_backend
     from trio_encode.engine.mooncake import MooncakeEngine
 
     if settings.malloc_arenas is not None and not heap.limit_arenas(settings.malloc_arenas):
@@ -301,9 +307,10 @@ async def _run_listening(
     arena = arena_for(settings.encoder)
 
     def load() -> Encoder:
-        encoder = ImageEncoder.from_settings(
-            settings.encoder, observer=metrics, store=store, arena=arena
-        )
+        model = load_backend(settings.encoder)
+        if wrap_model is not None:
+            model = wrap_model(model)
+        encoder = ImageEncoder(model, settings.encoder, observer=metrics, store=store, arena=arena)
         log.info("encoder loaded: %s", encoder.info.model_id)
         return encoder
 

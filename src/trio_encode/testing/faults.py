@@ -18,7 +18,7 @@ import random
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import BeforeValidator, ConfigDict
 from pydantic.dataclasses import dataclass as settings_dataclass
@@ -31,6 +31,9 @@ from trio_encode.engine.base import (
     EngineError,
     TransferEngine,
 )
+
+if TYPE_CHECKING:
+    from trio_encode.encoder import VisionModel
 
 log = logging.getLogger(__name__)
 
@@ -184,6 +187,7 @@ EngineFaults = Annotated[FaultPlan, BeforeValidator(_fault_plan)]
 
 
 engine_setting = in_group("engine")
+model_setting = in_group("model")
 
 
 @settings_dataclass(frozen=True, config=ConfigDict(extra="forbid"))
@@ -196,6 +200,22 @@ class DrillSettings:
         "e.g. 'register=0.01,transfer=0.02,deregister=0.001,seed=7' (or one rate for all). "
         "Off by default; never in production.",
     )
+
+    stamp_embeddings: bool = model_setting(
+        False,
+        help="Drills only: an image tagged with an identity (the soak's) gets an embedding "
+        "whose every 8-byte word names that identity and its own index, so a receiver can "
+        "tell whose bytes it holds. Off by default; never in production.",
+    )
+
+    def wrap_model(self, model: VisionModel) -> VisionModel:
+        """``model``, stamping tagged images' embeddings when asked to."""
+        if not self.stamp_embeddings:
+            return model
+        from trio_encode.testing.stamped_model import StampedModel
+
+        log.warning("stamping tagged images' embeddings with their identity")
+        return StampedModel(model)
 
     def wrap(self, engine: TransferEngine) -> TransferEngine:
         """``engine`` with the planned faults injected (itself when there are none)."""

@@ -7,7 +7,9 @@
   marker: a write that lands after its 200 (a transfer the server let outlive its answer) shows.
   A slot whose send failed rests longer (bytes of that request may still land), then is filled
   with the marker too; whoever uses it next checks first that it still holds only the marker
-  (:meth:`Rank.clean`): a byte that lands later belongs to no request of that slot's;
+  (:meth:`Rank.clean`): a byte that lands later belongs to no request of that slot's. With
+  stamped embeddings (:mod:`trio_encode.testing.identity`) every check reads the slot word by
+  word, and a wrong byte names the image (so the request) and the offset it came from;
 - :class:`Call` and :func:`post`: one HTTP answer, with the facts the checks need.
 """
 
@@ -16,7 +18,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +27,7 @@ import httpx
 import trio
 
 from trio_encode.encoder import EncoderSettings, load_backend
+from trio_encode.testing.identity import SlotReading, tag
 from trio_encode.tools.soak.receiver import ReceiverGone, ReceiverProcess
 
 _ENGINE_CODE = re.compile(r"failed with code (-?\d+)")
@@ -62,6 +65,39 @@ class CheckedImages:
             digests.append(xxhash.xxh3_64_intdigest(raw.data))
         items = tuple("data:image/jpeg;base64," + base64.b64encode(j).decode() for j in jpegs)
         return cls(items, tuple(digests), nbytes)
+
+
+@dataclass(frozen=True)
+class TaggedImages:
+    """Photo-like JPEGs that a drill tags with identities
+    (:func:`~trio_encode.testing.identity.tag`), and the bytes of one image's embedding. A
+    server run with ``--stamp-embeddings`` answers a tagged image with an embedding that names
+    its identity in every word, so what must land is known without running the model."""
+
+    jpegs: tuple[bytes, ...]
+    bytes_per_image: int
+
+    @classmethod
+    def build(cls, settings: EncoderSettings, count: int, seed: int = 0) -> TaggedImages:
+        """``count`` JPEGs for the model ``settings`` name. Blocking: loads the model and runs
+        it once, for the size of an embedding."""
+        import torch
+
+        from trio_encode.testing.images import natural_jpegs
+
+        model = load_backend(settings)
+        jpegs = tuple(natural_jpegs(count, settings.image_size, seed))
+        image = model.decode(jpegs[0], max_pixels=settings.max_image_pixels)
+        with torch.inference_mode():
+            nbytes = model.encode([image])[0].numel() * model.dtype.itemsize
+        return cls(jpegs, nbytes)
+
+    def item(self, photo: int, identity: int) -> str:
+        """Photo ``photo`` tagged with ``identity``, as a data URI."""
+        import base64
+
+        data = tag(self.jpegs[photo], identity)
+        return "data:image/jpeg;base64," + base64.b64encode(data).decode()
 
 
 @dataclass(frozen=True)
@@ -123,8 +159,9 @@ class Slot:
     nbytes: int
     dirty: bool = False
     """Its last send did not answer 200: bytes may still land, so it is not checked."""
-    filled: bool = False
-    """Filled with the marker when its last request ended (a slot never used is not)."""
+    identities: tuple[int, ...] = ()
+    """The stamped images its last request sent into it: their bytes landing later are that
+    request's (late), not another's (foreign)."""
 
     @property
     def address(self) -> int:
@@ -144,7 +181,9 @@ class Rank:
     dirty_seconds: float = 10.0
     """How long a slot whose send failed rests (a transfer may still be running into it)."""
     late_writes: list[str] = field(default_factory=list)
-    """The req_ids whose slot was written after their send answered 200."""
+    """The req_ids whose slot was written after their send answered 200 (and what landed)."""
+    foreign_after: list[SlotReading] = field(default_factory=list)
+    """Readings of slots found written, after their 200, with another request's bytes."""
     calls_while_frozen: bool = False
     """Its HTTP calls go on while its receiver is frozen (a peer frozen at first contact);
     otherwise a frozen rank makes no calls."""
@@ -193,10 +232,21 @@ class Rank:
         self._checked[slot.offset] = req_id
         return all(results)
 
-    async def clean(self, slot: Slot) -> bool:
-        """Whether a slot about to be used holds only the marker its last request's end left:
-        any other byte came from a request that is not its own."""
-        return not slot.filled or await self.receiver.untouched(slot.offset, slot.nbytes)
+    async def verify(self, slot: Slot, req_id: str, identities: Sequence[int]) -> SlotReading:
+        """What the slot holds, these stamped images expected in order (the rest blank); it
+        is then marked."""
+        slot.identities = tuple(identities)
+        reading = await self.receiver.verify(
+            slot.offset, slot.nbytes, self.part_bytes, list(identities)
+        )
+        self._checked[slot.offset] = req_id
+        return reading
+
+    async def clean(self, slot: Slot, own: Sequence[int] = ()) -> SlotReading:
+        """What a slot holds besides the marker (or the zeros of a slot never used): bytes of
+        the stamped images ``own`` (late), of any other (foreign), or corruption. About to be
+        used, its last request's bytes are another request's too."""
+        return await self.receiver.read(slot.offset, slot.nbytes, self.part_bytes, list(own))
 
     async def _rest(self, slot: Slot) -> None:
         # Cancelled (the drill is over), a resting slot is simply not handed out again.
@@ -204,15 +254,33 @@ class Rank:
         checked_by = self._checked.pop(slot.offset, None)
         with trio.CancelScope(shield=True):
             try:
-                written = checked_by is not None and not slot.dirty
-                if written and not await self.receiver.untouched(slot.offset, slot.nbytes):
-                    self.late_writes.append(str(checked_by))
+                if checked_by is not None and not slot.dirty:
+                    reading = await self.clean(slot, slot.identities)
+                    if reading.foreign:
+                        self.foreign_after.append(reading)
+                    if not reading.clean:
+                        self.late_writes.append(f"{checked_by} ({describe(reading)})")
                 await self.receiver.fill(slot.offset, slot.nbytes)
             except ReceiverGone:
                 self._returned.set()  # wake whoever waits for a slot: there will be none
                 return
             slot.dirty = False
-            slot.filled = True
             self._free.append(slot)
             self._returned.set()
             self._returned = trio.Event()
+
+
+def describe(reading: SlotReading, owner: Callable[[int], str] = str) -> str:
+    """A reading's wrong bytes in words: whose (``owner`` names an identity) and where."""
+    parts = [
+        f"{f.nbytes} bytes of {owner(f.identity)} (its byte {f.word * 8} on) at slot offset "
+        f"{f.offset}"
+        for f in reading.foreign
+    ]
+    if reading.own_late:
+        parts.append(f"{reading.own_late} bytes of its own request")
+    if reading.missing:
+        parts.append(f"{reading.missing} bytes never written")
+    if reading.corrupt:
+        parts.append(f"{reading.corrupt} bytes of no request (corrupt)")
+    return "; ".join(parts) or "nothing wrong"

@@ -13,7 +13,11 @@ The child is a plain loop over JSON lines on stdin (no event loop: nothing to in
   ``part`` bytes from ``offset`` on have these xxh3-64 digests? Answers ``{"ok": [bool, ...]}``
   and then fills ``length`` bytes from ``offset`` with :data:`MARKER`, so a write that lands
   later shows;
-- ``{"op": "untouched", "offset", "length"}``: is the range still all :data:`MARKER`?
+- ``{"op": "verify", "offset", "length", "part", "expected"}``: read the range word by word
+  (:func:`~trio_encode.testing.identity.read_slot`: the images ``expected`` in place, the
+  rest blank), answer the reading, then fill it with :data:`MARKER`;
+- ``{"op": "read", "offset", "length", "part", "known"}``: the reading of a range that should
+  be blank (stamps of ``known`` identities are its own late bytes, others foreign);
 - ``{"op": "fill", "offset", "length"}``: fill it with :data:`MARKER` (answers ``{}``).
 
 Its first line out is ``{"session_id", "address", "nbytes"}``.
@@ -32,9 +36,7 @@ from typing import Any
 
 import trio
 
-MARKER = 0xA5
-"""What a checked range is filled with: no embedding the soak sends is a run of it."""
-
+from trio_encode.testing.identity import MARKER, SlotReading, read_slot
 
 # -- the child ----------------------------------------------------------------------------------
 
@@ -77,9 +79,17 @@ def _child(pool_bytes: int, host: str) -> None:
                 )
             ]
             pool[offset : offset + ask["length"]] = MARKER
-        elif op == "untouched":
+        elif op in ("verify", "read"):
             offset, length = ask["offset"], ask["length"]
-            answer["ok"] = bool((pool[offset : offset + length] == MARKER).all())
+            reading = read_slot(
+                pool[offset : offset + length],
+                ask["part"],
+                expected=ask.get("expected", ()),
+                known=ask.get("known", ()),
+            )
+            answer = reading.to_json()
+            if op == "verify":
+                pool[offset : offset + length] = MARKER
         elif op == "fill":
             pool[ask["offset"] : ask["offset"] + ask["length"]] = MARKER
         else:
@@ -154,9 +164,18 @@ class ReceiverProcess:
         )
         return [bool(ok) for ok in answer["ok"]]
 
-    async def untouched(self, offset: int, length: int) -> bool:
-        """Whether nothing wrote into the range since it was checked or filled."""
-        return bool((await self.ask(op="untouched", offset=offset, length=length))["ok"])
+    async def verify(self, offset: int, length: int, part: int, expected: list[int]) -> SlotReading:
+        """What the range holds, the stamped images ``expected`` in place and the rest blank;
+        it is then filled with MARKER."""
+        answer = await self.ask(
+            op="verify", offset=offset, length=length, part=part, expected=expected
+        )
+        return SlotReading.from_json(answer)
+
+    async def read(self, offset: int, length: int, part: int, known: list[int]) -> SlotReading:
+        """What a range that should be blank holds (since it was checked or filled)."""
+        answer = await self.ask(op="read", offset=offset, length=length, part=part, known=known)
+        return SlotReading.from_json(answer)
 
     async def fill(self, offset: int, length: int) -> None:
         await self.ask(op="fill", offset=offset, length=length)

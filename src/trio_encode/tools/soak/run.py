@@ -34,6 +34,7 @@ import json
 import random
 import statistics
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from dataclasses import asdict, dataclass
@@ -57,7 +58,8 @@ from trio_encode.settings import (
     server_settings,
 )
 from trio_encode.testing.faults import DrillSettings, EngineFaults, FaultPlan
-from trio_encode.tools.soak.drill import Call, CheckedImages, Rank, Slot, post
+from trio_encode.testing.identity import SlotReading
+from trio_encode.tools.soak.drill import Call, Rank, Slot, TaggedImages, describe, post
 from trio_encode.tools.soak.receiver import ReceiverGone, ReceiverProcess, open_receiver
 from trio_encode.tools.soak.server import ServerProcess, open_server_process
 
@@ -90,8 +92,8 @@ class SoakConfig:
     images: int = soak_setting(
         200,
         ge=2,
-        help="Distinct images the requests draw from (so the embedding cache both hits and "
-        "evicts).",
+        help="Recent images a request may repeat (so the embedding cache both hits and "
+        "evicts), and photos a new image is drawn from.",
     )
     concurrency: int = soak_setting(12, gt=0, help="Requests in flight at once.")
     warmup: int = soak_setting(
@@ -122,7 +124,7 @@ class SoakConfig:
     )
     kill: bool = soak_setting(True, help="SIGKILL one rank.")
     first_contact_freeze: float = soak_setting(
-        0.0,
+        8.0,
         ge=0,
         help="Seconds a new rank 0 stays SIGSTOPped from its start while its calls go on, so "
         "the server's first contact with it meets a frozen peer (0: never).",
@@ -134,6 +136,9 @@ class SoakConfig:
     )
     two_image_share: float = Field(default=0.1, ge=0, le=1)
     """Share of requests with two images rather than one."""
+    repeat_share: float = Field(default=0.75, ge=0, le=1)
+    """Share of images that repeat one of the last ``images`` new ones (a cache hit while it
+    is cached); the others are new: a photo tagged with an identity of their own."""
     transfer_timeout: int = 2
     """``MC_TRANSFER_TIMEOUT`` for the server: a transfer into a frozen rank fails after about
     5 s with it (30 s without)."""
@@ -182,8 +187,11 @@ class Counts:
     vanished_mid_send: int = 0
     receivers_gone: int = 0
     foreign_slots: int = 0
-    """Slots found holding bytes no request of theirs sent (must stay 0)."""
-    """Rank flows cut short because their receiver had been killed."""
+    """Slots found holding bytes of another request (must stay 0)."""
+    foreign_bytes: int = 0
+    """Bytes of another request found in a slot (must stay 0)."""
+    corrupt_bytes: int = 0
+    """Bytes that were no request's, or a request's own bytes missing or out of place."""
 
 
 @dataclass
@@ -261,8 +269,8 @@ class SoakResult:
             f"{c.vanished_mid_body}, after /encode {c.vanished_after_encode}, mid-/send "
             f"{c.vanished_mid_send}; backstop expiries {self.backstop_expiries:.0f}",
             f"deadline: slowest call {self.slowest_call:.2f} s",
-            f"foreign bytes: {c.foreign_slots} slots held a byte their own request did not "
-            "send"
+            f"foreign bytes: {c.foreign_bytes} (bytes of another request, in {c.foreign_slots} "
+            f"slots); other corruption: {c.corrupt_bytes} bytes"
             + (
                 ""
                 if self.late_freeze_window is None
@@ -298,7 +306,7 @@ def server_environment(config: SoakConfig) -> dict[str, str]:
 
 def server_arguments(config: SoakConfig) -> list[str]:
     """The server's command line: its settings, and the drill's engine faults."""
-    drill = DrillSettings(engine_faults=config.engine_faults)
+    drill = DrillSettings(engine_faults=config.engine_faults, stamp_embeddings=True)
     given = {name: getattr(drill, name) for name in model_fields(DrillSettings)}
     return serve_flags(config.server()) + flags({k: v for k, v in given.items() if v is not None})
 
@@ -323,7 +331,7 @@ def _rss_windows(samples: list[tuple[float, int]]) -> list[tuple[float, int]]:
 
 
 class _Soak:
-    def __init__(self, config: SoakConfig, workload: CheckedImages, server: ServerProcess) -> None:
+    def __init__(self, config: SoakConfig, workload: TaggedImages, server: ServerProcess) -> None:
         self.config = config
         self.workload = workload
         self.server = server
@@ -352,14 +360,46 @@ class _Soak:
         """Every receiver's ``session_id`` so far."""
         self.all_done = trio.Event()
         """Rank flows of requests dispatched while their rank was frozen, still running."""
+        self.owners: dict[int, str] = {}
+        """Each identity an image was tagged with: the request and image it was new in."""
+        self.recent: deque[tuple[int, str]] = deque(maxlen=config.images)
+        """The last new images, ``(identity, data URI)``: what a repeat draws from."""
+
+    def draw_images(self, req_id: str, count: int) -> list[tuple[int, str]]:
+        """``count`` images for ``req_id``: repeats of recent ones, or new ones tagged with an
+        identity of their own."""
+        images = []
+        for j in range(count):
+            if self.recent and self.random.random() < self.config.repeat_share:
+                images.append(self.random.choice(self.recent))
+                continue
+            identity = len(self.owners) + 1
+            self.owners[identity] = f"{req_id} image {j}"
+            photo = self.random.randrange(len(self.workload.jpegs))
+            image = (identity, self.workload.item(photo, identity))
+            self.recent.append(image)
+            images.append(image)
+        return images
+
+    def owner(self, identity: int) -> str:
+        return self.owners.get(identity, f"an identity never sent ({identity})")
+
+    def wrong_bytes(self, reading: SlotReading, what: str) -> None:
+        """Count and report what a slot held that it should not have."""
+        known = [f for f in reading.foreign if f.identity in self.owners]
+        unknown = sum(f.nbytes for f in reading.foreign if f.identity not in self.owners)
+        if known:
+            self.counts.foreign_slots += 1
+            self.counts.foreign_bytes += sum(f.nbytes for f in known)
+        self.counts.corrupt_bytes += unknown + reading.corrupt + reading.missing + reading.own_late
+        self.violations.append(f"{what}: {describe(reading, self.owner)}")
 
     # -- one request -------------------------------------------------------------------------
 
     async def request(self, http: httpx.AsyncClient, index: int, nursery: trio.Nursery) -> None:
-        images = [self.random.randrange(self.config.images)]
-        if self.random.random() < self.config.two_image_share:
-            images.append(self.random.randrange(self.config.images))
         req_id = f"soak-{index}"
+        two = self.random.random() < self.config.two_image_share
+        images = self.draw_images(req_id, 2 if two else 1)
         faults = index >= self.config.warmup_requests
         async with trio.open_nursery() as ranks:
             for r in range(self.config.tp):
@@ -399,7 +439,7 @@ class _Soak:
         self,
         http: httpx.AsyncClient,
         req_id: str,
-        images: list[int],
+        images: list[tuple[int, str]],
         r: int,
         vanish: str | None,
         nursery: trio.Nursery,
@@ -414,7 +454,7 @@ class _Soak:
         self,
         http: httpx.AsyncClient,
         req_id: str,
-        images: list[int],
+        images: list[tuple[int, str]],
         rank: Rank,
         vanish: str | None,
         nursery: trio.Nursery,
@@ -424,7 +464,7 @@ class _Soak:
             await rank.receiver.wait_thawed()  # a frozen rank makes no calls
         body = {
             "req_id": req_id,
-            "mm_items": [self.workload.items[i] for i in images],
+            "mm_items": [item for _, item in images],
             "receive_count": self.config.tp,
         }
         if vanish == "mid_body":
@@ -453,17 +493,19 @@ class _Soak:
         rank: Rank,
         slot: Slot,
         req_id: str,
-        images: list[int],
+        images: list[tuple[int, str]],
         who: str,
         *,
         vanish: bool = False,
     ) -> bool:
         """``/send`` into ``slot`` (again after a 502, at most 4 times; with ``vanish`` a call
         abandoned after a few ms first) and check what landed. A slot whose send failed is
-        marked dirty. True when answered 200 with the model's bytes."""
-        if not await rank.clean(slot):
-            self.counts.foreign_slots += 1
-            self.violations.append(f"{req_id} {who}: its slot held foreign bytes")
+        marked dirty. True when answered 200 with its images' stamped bytes."""
+        before = await rank.clean(slot)
+        if not before.clean:
+            self.wrong_bytes(before, f"{req_id} {who}: its slot held, before its /send")
+        identities = [identity for identity, _ in images]
+        slot.identities = tuple(identities)  # what may land there from now on is this request's
         body = {"req_id": req_id, "session_id": rank.session_id, "buffer_address": slot.address}
         if vanish:
             self.counts.vanished_mid_send += 1
@@ -477,8 +519,9 @@ class _Soak:
         if send.status != 200:
             slot.dirty = True
             return False
-        if not await rank.check(slot, req_id, [self.workload.digests[i] for i in images]):
-            self.violations.append(f"{req_id} {who}: 200 but the bytes differ")
+        landed = await rank.verify(slot, req_id, identities)
+        if not landed.clean:
+            self.wrong_bytes(landed, f"{req_id} {who}: answered 200, its slot held")
             return False
         return True
 
@@ -517,20 +560,20 @@ class _Soak:
         """One unrelated request (receive_count 1, its own receiver) per interval, timed."""
         i = 0
         while True:
-            image = self.random.randrange(self.config.images)
             req_id = f"probe-{i}"
             i += 1
+            image = self.draw_images(req_id, 1)
             started = time.monotonic()
             encode, _ = await post(
                 http,
                 "/encode",
-                {"req_id": req_id, "mm_items": [self.workload.items[image]], "receive_count": 1},
+                {"req_id": req_id, "mm_items": [image[0][1]], "receive_count": 1},
                 rank="probe",
             )
             self._record(encode)
             if encode.status == 200:
                 async with rank.slot(nursery) as slot:
-                    await self._send_and_check(http, rank, slot, req_id, [image], "probe")
+                    await self._send_and_check(http, rank, slot, req_id, image, "probe")
                 self.probe_samples.append((started, time.monotonic() - started))
             await trio.sleep(self.config.probe_interval)
 
@@ -580,7 +623,7 @@ class _Soak:
 
 async def run_soak(config: SoakConfig) -> SoakResult:
     """Run the soak described in the module's doc and check it."""
-    workload = await trio.to_thread.run_sync(CheckedImages.build, config.encoder, config.images)
+    workload = await trio.to_thread.run_sync(TaggedImages.build, config.encoder, config.images)
     part = workload.bytes_per_image
     slot_bytes = 2 * part
     slots = config.concurrency + 8
@@ -719,9 +762,10 @@ def _result(soak: _Soak, drained: tuple[float, float, str]) -> SoakResult:
     left_scopes, left_registrations, text = drained
     violations = list(soak.violations)
     for rank in soak.ranks:
-        violations += [
-            f"{req_id} {rank.name}: written after its 200" for req_id in rank.late_writes
-        ]
+        violations += [f"{late} {rank.name}: written after its 200" for late in rank.late_writes]
+        for reading in rank.foreign_after:  # counted here; late_writes says where
+            soak.counts.foreign_slots += 1
+            soak.counts.foreign_bytes += reading.foreign_bytes
     if left_scopes or left_registrations:
         violations.append(f"after drain: {left_scopes:.0f} scopes, {left_registrations:.0f} regs")
     # RSS moves with the live data (queued images, embeddings of requests in flight) by tens
