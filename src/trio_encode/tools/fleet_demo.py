@@ -48,6 +48,7 @@ from trio_encode.engine.mooncake import MooncakeEngine, MooncakeSettings
 from trio_encode.errors import RequestError
 from trio_encode.settings import ServerSettings, child_environment, serve_flags, server_settings
 from trio_encode.testing.images import noise_uri
+from trio_encode.tools.children import stop
 from trio_encode.tools.progress import Steps
 
 _SLOT_BYTES = 16 << 20  # room for one request's embedding per concurrent request and rank
@@ -221,14 +222,7 @@ async def _process(command: list[str], log: Path) -> AsyncIterator[trio.Process]
     try:
         yield process
     finally:
-        with trio.CancelScope(shield=True):
-            if process.returncode is None:
-                process.terminate()
-                with trio.move_on_after(5):
-                    await process.wait()
-            if process.returncode is None:
-                process.kill()
-                await process.wait()
+        await stop(process, grace=5)
 
 
 async def _until(

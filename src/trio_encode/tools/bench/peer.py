@@ -27,6 +27,7 @@ from typing import Any
 import trio
 
 from trio_encode.embedding import checksum_of
+from trio_encode.tools.children import Lines, stop
 
 INSTALL_HINT = "the peer row needs FastAPI and uvicorn: pip install 'trio-encode[bench]'"
 
@@ -126,26 +127,17 @@ async def open_peer() -> AsyncIterator[str]:
     )
     assert process.stdout is not None
     try:
-        line = b""
         with trio.fail_after(60):
-            while not line.endswith(b"\n"):
-                chunk = await process.stdout.receive_some(1 << 12)
-                if not chunk:
-                    await process.wait()
-                    raise RuntimeError(
-                        f"the peer process exited with {process.returncode} ({INSTALL_HINT}?)"
-                    )
-                line += chunk
+            line = await Lines(process.stdout).next()
+            if line is None:
+                await process.wait()
+                raise RuntimeError(
+                    f"the peer process exited with {process.returncode} ({INSTALL_HINT}?)"
+                )
         yield f"http://127.0.0.1:{json.loads(line)['port']}"
     finally:
         with trio.CancelScope(shield=True):
-            if process.returncode is None:
-                process.terminate()
-                with trio.move_on_after(10):
-                    await process.wait()
-                if process.returncode is None:
-                    process.kill()
-                    await process.wait()
+            await stop(process, grace=10)
             await process.stdout.aclose()
 
 

@@ -37,6 +37,7 @@ from typing import Any
 import trio
 
 from trio_encode.testing.identity import MARKER, SlotReading, read_slot
+from trio_encode.tools.children import Lines
 
 # -- the child ----------------------------------------------------------------------------------
 
@@ -121,7 +122,8 @@ class ReceiverProcess:
         self._thawed = trio.Event()
         self._thawed.set()
         self._lock = trio.Lock()
-        self._buffer = b""
+        assert process.stdout is not None
+        self._lines = Lines(process.stdout)
 
     @property
     def alive(self) -> bool:
@@ -147,13 +149,9 @@ class ReceiverProcess:
         )
 
     async def _read_line(self) -> bytes:
-        assert self.process.stdout is not None
-        while b"\n" not in self._buffer:
-            chunk = await self.process.stdout.receive_some(1 << 16)
-            if not chunk:
-                raise EOFError
-            self._buffer += chunk
-        line, self._buffer = self._buffer.split(b"\n", 1)
+        line = await self._lines.next()
+        if line is None:
+            raise EOFError
         return line
 
     async def check(self, offset: int, part: int, digests: list[int], length: int) -> list[bool]:

@@ -8,7 +8,6 @@ it can be sent signals. On exit it gets SIGTERM, and SIGKILL if it has not stopp
 from __future__ import annotations
 
 import re
-import signal
 import subprocess
 import sys
 from collections import deque
@@ -19,6 +18,7 @@ import httpx
 import trio
 
 from trio_encode.settings import child_environment
+from trio_encode.tools.children import Lines, stop
 
 _SERVING = re.compile(r"serving on (http://[^\s]+)")
 
@@ -33,7 +33,8 @@ class ServerProcess:
         """The last lines of its log."""
         self.errors: list[str] = []
         """Every log line at ERROR level or above, and any traceback line."""
-        self._buffer = b""
+        assert process.stderr is not None
+        self._lines = Lines(process.stderr)
 
     @property
     def pid(self) -> int:
@@ -60,13 +61,9 @@ class ServerProcess:
         return "".join(self.tail)
 
     async def _read_line(self) -> str | None:
-        assert self.process.stderr is not None
-        while b"\n" not in self._buffer:
-            chunk = await self.process.stderr.receive_some(1 << 16)
-            if not chunk:
-                return None
-            self._buffer += chunk
-        raw, self._buffer = self._buffer.split(b"\n", 1)
+        raw = await self._lines.next()
+        if raw is None:
+            return None
         line = raw.decode(errors="replace") + "\n"
         self.tail.append(line)
         if "level=ERROR" in line or "level=CRITICAL" in line or "Traceback" in line:
@@ -118,8 +115,7 @@ async def open_server_process(
             try:
                 yield server
             finally:
-                with trio.CancelScope(shield=True):
-                    await _stop(process, grace=stop_timeout)
+                await stop(process, grace=stop_timeout)
     finally:
         with trio.CancelScope(shield=True):
             if process.returncode is None:
@@ -127,14 +123,3 @@ async def open_server_process(
                 await process.wait()
             assert process.stderr is not None
             await process.stderr.aclose()
-
-
-async def _stop(process: trio.Process, *, grace: float) -> None:
-    if process.returncode is not None:
-        return
-    process.send_signal(signal.SIGTERM)
-    with trio.move_on_after(grace):
-        await process.wait()
-        return
-    process.kill()
-    await process.wait()
