@@ -288,6 +288,40 @@ MUTANTS: dict[str, Mutant] = {
             "test_an_engine_write_into_the_arena_is_detected_and_never_served",
         ),
     ),
+    "a poisoned row of the plain cache served (failure 24)": Mutant(
+        "encoder/front.py",
+        "            key for key, want, got in zip(hits, expected, found, strict=True) if want != got",
+        "            key for key, want, got in zip(hits, expected, found, strict=True) if False",
+        (
+            "tests/test_http_security.py::"
+            "test_an_engine_write_into_a_registered_cached_row_is_never_served",
+        ),
+    ),
+    "a poisoned Mooncake Store entry served (failure 24)": Mutant(
+        "encoder/store.py",
+        "                    if checksum != _stored_checksum(digest):",
+        "                    if False:",
+        (
+            "tests/test_http_security.py::"
+            "test_a_store_entry_whose_bytes_were_overwritten_is_never_served",
+        ),
+    ),
+    "rows sent as they lie give their arena leases back before the send": Mutant(
+        "encoder/front.py",
+        "        embedding = RowsEmbedding(rows, grids, leases=held)",
+        "        embedding = RowsEmbedding(rows, grids)",
+        (
+            "tests/test_encoder_arena.py::"
+            "test_a_row_sent_as_it_lies_in_the_arena_keeps_its_segment_until_released",
+        ),
+        also=(
+            (
+                "encoder/front.py",
+                "            handed_over = True  # the arena leases of the rows that lie there",
+                "            handed_over = False  # the arena leases of the rows that lie there",
+            ),
+        ),
+    ),
     "one exception raised in every waiter of a send (failure 22)": Mutant(
         "scope.py",
         "            raise attempt.error.fresh()",

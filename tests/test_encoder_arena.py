@@ -21,7 +21,7 @@ from support.fake_encoder import (
     inline,
 )
 from trio_encode.arena import Arena
-from trio_encode.embedding import ArenaEmbedding, Embedding
+from trio_encode.embedding import ArenaEmbedding, Embedding, RowsEmbedding
 from trio_encode.encoder import ImageEncoder
 from trio_encode.encoder.batcher import ARENA_WAIT
 
@@ -38,7 +38,7 @@ def make(arena: Arena, cache_bytes: int = 0) -> ImageEncoder:
     )
 
 
-def reds(embedding: Embedding | ArenaEmbedding) -> list[int]:
+def reds(embedding: Embedding | ArenaEmbedding | RowsEmbedding) -> list[int]:
     tensor = embedding.tensor
     return [int(v) for v in tensor[:, 0]]
 
@@ -164,3 +164,22 @@ async def test_a_request_cancelled_while_waiting_for_room_leaves_nothing(
         held.release()
     assert arena.leased_bytes == 0
     assert arena.free_bytes == arena.nbytes
+
+
+async def test_a_row_sent_as_it_lies_in_the_arena_keeps_its_segment_until_released(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A request whose images did not all fit is sent as its rows lie, one of them in an arena
+    segment: the embedding holds that segment's lease until it is released (after every
+    transfer), so the arena cannot evict it and write another image there meanwhile."""
+    arena = Arena(4096, cache_bytes=4096)  # one segment, which may be cached
+    encoder = make(arena, cache_bytes=4096)
+    async with serving(encoder):
+        mixed = await encoder.encode([image(1), image(2)])  # one in the arena, one outside
+        assert isinstance(mixed, RowsEmbedding)
+        assert arena.leased_bytes == 4096
+        other = await encoder.encode([image(3)])  # needs the one segment
+        assert reds(mixed) == [1, 1, 2, 2], "another image was written into the segment"
+        other.release()
+        mixed.release()
+    assert arena.leased_bytes == 0

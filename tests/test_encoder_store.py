@@ -12,15 +12,16 @@ from dataclasses import replace
 import pytest
 import torch
 import trio
+import xxhash
 
 from support.fake_encoder import SETTINGS, Fingerprinted, encoder_running, image, inline
 from trio_encode.arena import Arena
-from trio_encode.embedding import ArenaEmbedding
+from trio_encode.embedding import ArenaEmbedding, tensor_checksum
 from trio_encode.encoder import CacheKey, ImageEncoder
 from trio_encode.encoder.cache import content_key
 from trio_encode.encoder.model import BuiltinBackend
 from trio_encode.encoder.settings import EncoderSettings
-from trio_encode.encoder.store import MooncakeEmbeddingStore, store_key
+from trio_encode.encoder.store import MooncakeEmbeddingStore, _digest_bytes, store_key
 
 TINY = EncoderSettings(
     image_size=32, patch_size=16, width=32, heads=2, depth=1, hidden_size=64, warmup=False
@@ -58,7 +59,48 @@ class Events:
         self.puts.append(result)
 
 
-class HungClient:
+class PerKey:
+    """The store client's two batched calls (a digest and a row per key), over the one call
+    per key and row a fake answers; a row found gets the digest of its bytes."""
+
+    def get_into(self, key: str, address: int, nbytes: int) -> int:
+        raise NotImplementedError
+
+    def put_from(self, key: str, address: int, nbytes: int) -> int:
+        raise NotImplementedError
+
+    def batch_get_into_multi_buffers(
+        self, keys: list[str], pointers: list[list[int]], sizes: list[list[int]]
+    ) -> list[int]:
+        codes = []
+        for key, (digest_at, row_at), (digest_bytes, row_bytes) in zip(
+            keys, pointers, sizes, strict=True
+        ):
+            code = self.get_into(key, row_at, row_bytes)
+            if code == row_bytes:
+                digest = xxhash.xxh3_64_digest(ctypes.string_at(row_at, row_bytes))
+                ctypes.memmove(digest_at, digest, digest_bytes)
+                code += digest_bytes
+            codes.append(code)
+        return codes
+
+    def batch_put_from_multi_buffers(
+        self, keys: list[str], pointers: list[list[int]], sizes: list[list[int]]
+    ) -> list[int]:
+        return [
+            self.put_from(key, row_at, row_bytes)
+            for key, (_, row_at), (_, row_bytes) in zip(keys, pointers, sizes, strict=True)
+        ]
+
+    def remove(self, key: str, force: bool = False) -> int:
+        return 0
+
+
+def offer(store: MooncakeEmbeddingStore, key: str, tensor: torch.Tensor) -> None:
+    store.put(key, tensor, tensor_checksum(tensor))
+
+
+class HungClient(PerKey):
     """A store client whose calls block until released (a master that stopped answering)."""
 
     def __init__(self) -> None:
@@ -93,7 +135,7 @@ async def test_a_slow_store_costs_a_request_at_most_the_bounded_wait() -> None:
     started = time.monotonic()
     found = await store.get(["k1", "k2"], into)
     elapsed = time.monotonic() - started
-    assert found == [False, False]
+    assert found == [None, None]
     assert elapsed < 0.5
     assert events.lookups == [("timeout", 2)]
     # The abandoned read finishes later, writing only the buffers it was given (kept alive
@@ -104,7 +146,7 @@ async def test_a_slow_store_costs_a_request_at_most_the_bounded_wait() -> None:
 
 
 async def test_results_are_counted_per_image() -> None:
-    class Answers:
+    class Answers(PerKey):
         def get_into(self, key: str, address: int, nbytes: int) -> int:
             return {"hit": nbytes, "miss": -704}.get(key, -900)
 
@@ -112,15 +154,15 @@ async def test_results_are_counted_per_image() -> None:
     store = _store(events, wait=5.0)
     store._client = Answers()
     found = await store.get(["hit", "miss", "broken"], [torch.zeros(4) for _ in range(3)])
-    assert found == [True, False, False]
+    assert found == [tensor_checksum(torch.zeros(4)), None, None]
     assert events.lookups == [("hit", 1), ("miss", 1), ("error", 1)]
 
 
 async def test_without_a_connection_lookups_and_puts_return_at_once() -> None:
     events = Events()
     store = _store(events)
-    assert await store.get(["k"], [torch.zeros(4)]) == [False]
-    store.put("k", torch.zeros(4))
+    assert await store.get(["k"], [torch.zeros(4)]) == [None]
+    offer(store, "k", torch.zeros(4))
     assert events.lookups == [("unavailable", 1)]
     assert events.puts == ["dropped"]
 
@@ -130,7 +172,7 @@ async def test_puts_never_block_a_full_queue_drops() -> None:
     store = _store(events)
     store._client = HungClient()
     for n in range(100):
-        store.put(f"k{n}", torch.zeros(4))  # no await: never blocks the forward's loop
+        offer(store, f"k{n}", torch.zeros(4))  # no await: never blocks the forward's loop
     assert events.puts == ["dropped"] * (100 - 64)
 
 
@@ -183,7 +225,7 @@ async def test_the_client_is_closed_only_when_no_call_still_uses_it() -> None:
 async def test_a_failing_store_logs_one_line_per_period_and_counts_every_failure(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    class Dead:
+    class Dead(PerKey):
         def get_into(self, key: str, address: int, nbytes: int) -> int:
             return -900  # the master is gone
 
@@ -215,7 +257,7 @@ async def test_a_store_client_that_raises_leaves_the_encoder_without_a_store() -
     store._store_class = Broken
     await store.run()  # returns instead of raising into the encoder's nursery
     assert not store.connected
-    assert await store.get(["k"], [torch.zeros(4)]) == [False]
+    assert await store.get(["k"], [torch.zeros(4)]) == [None]
     assert events.lookups == [("unavailable", 1)]
 
 
@@ -231,7 +273,7 @@ async def test_a_restarted_store_gets_its_threads_back() -> None:
         async with trio.open_nursery() as nursery:
             await nursery.start(store.run)
             await _until(lambda: store.connected)
-            assert await store.get(["k"], [torch.zeros(4)]) == [True]
+            assert await store.get(["k"], [torch.zeros(4)]) != [None]
             nursery.cancel_scope.cancel()
     assert events.lookups == [("hit", 1), ("hit", 1)]
 
@@ -341,7 +383,9 @@ async def test_a_put_given_up_before_its_thread_began_gives_back_at_once(
     for n in range(4):  # hung reads take every thread
         await store.get([f"k{n}"], [torch.zeros(4)])
     given_back: list[str] = []
-    await store._put_now("p", torch.zeros(4), lambda: given_back.append("p"))
+    row = torch.zeros(4)
+    digest = _digest_bytes(tensor_checksum(row))
+    await store._put_now("p", row, digest, lambda: given_back.append("p"))
     assert given_back == ["p"]
     assert events.puts == ["timeout"]
     client.release.set()

@@ -19,6 +19,7 @@ from support.fake_encoder import (
     inline,
     reds,
 )
+from trio_encode.embedding import tensor_checksum
 from trio_encode.encoder import ImageEncoder
 
 FORWARD = 1.0
@@ -37,17 +38,24 @@ class DictStore:
         task_status.started()
         await trio.sleep_forever()
 
-    async def get(self, keys: Sequence[str], into: Sequence[torch.Tensor]) -> list[bool]:
+    async def get(self, keys: Sequence[str], into: Sequence[torch.Tensor]) -> list[str | None]:
         self.gets.append(list(keys))
         await trio.sleep(self.latency)
-        found = []
+        found: list[str | None] = []
         for key, tensor in zip(keys, into, strict=True):
             if key in self.entries:
                 tensor.copy_(self.entries[key])
-            found.append(key in self.entries)
+            found.append(tensor_checksum(tensor) if key in self.entries else None)
         return found
 
-    def put(self, key: str, tensor: torch.Tensor, done: Callable[[], None] | None = None) -> None:
+    def put(
+        self,
+        key: str,
+        tensor: torch.Tensor,
+        checksum: str,
+        done: Callable[[], None] | None = None,
+    ) -> None:
+        assert checksum == tensor_checksum(tensor), "offered with the checksum of its bytes"
         self.puts.append(key)
         self.entries[key] = tensor.clone()
         if done is not None:
@@ -71,7 +79,7 @@ async def test_a_store_hit_skips_the_forward_and_a_forward_is_offered_back(
         computed = await first.encode([image(40)])
     assert first_model.encoded == [40]
     assert len(store.puts) == 1
-    assert store.puts[0].startswith("trio-encode/fake-model/")
+    assert store.puts[0].startswith("trio-encode/checked/fake-model/")
 
     second, second_model = make(store)  # another encoder of the fleet, same model
     async with encoder_running(second):

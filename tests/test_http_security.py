@@ -13,8 +13,9 @@ import json
 import logging
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ import pytest
 import torch
 import trio
 
+from support.cluster import start_master
 from support.engines import DEAD_SESSION, RankEngines
 from support.harness import Harness, http_server, landing_pools
 from support.models import SMALL
@@ -30,7 +32,10 @@ from support.web_server import web_server
 from trio_encode.client import metric_value
 from trio_encode.encoder import ImageEncoder
 from trio_encode.encoder import backend as backend_module
+from trio_encode.encoder.cache import content_key
 from trio_encode.encoder.fetch import FetchPolicy
+from trio_encode.encoder.images import load_item
+from trio_encode.encoder.store import MooncakeEmbeddingStore, store_key
 from trio_encode.logs import KeyValueFormatter
 from trio_encode.receivers import ReceiverPolicy
 from trio_encode.server import app as app_module
@@ -60,6 +65,15 @@ def error_of(response: httpx.Response) -> tuple[int, str, str]:
     body = response.json()
     assert body["status"] == "error", body
     return response.status_code, body["error"], body["message"]
+
+
+async def until(condition: Callable[[], bool], seconds: float = 10.0) -> None:
+    """Poll for ``condition`` (made true by a worker thread or another process)."""
+    with trio.fail_after(seconds):
+        while True:
+            if condition():
+                return
+            await trio.sleep(0.05)
 
 
 def fetching_encoder(**settings: Any) -> ImageEncoder:
@@ -461,7 +475,129 @@ async def test_an_engine_write_into_the_arena_is_detected_and_never_served(
         second.verify(sent.embedding_size, sent.checksum)
         assert second.raw()[:ROW].tolist() == first.raw()[:ROW].tolist()
         await harness.settled()
-    assert metric_value(observed.render().decode(), "encoder_cache_poisoned_total") == 1
+    assert (
+        metric_value(observed.render().decode(), "encoder_cache_poisoned_total", source="arena")
+        == 1
+    )
+
+
+async def test_an_engine_write_into_a_registered_cached_row_is_never_served(
+    rank_engines: RankEngines,
+) -> None:
+    """Without an arena (``--arena-bytes 0``) a cached row is registered with the engine only
+    while a request sends it. Request ``held`` has two receivers and has been sent to one, so
+    its row, the cached tensor itself, stays registered until the second: a plain Mooncake
+    client that knows only the server engine's address writes into it meanwhile (a real write
+    through the engine's port, made deterministic by the request that holds the row). The next
+    request for that image gets the model's embedding, not the written bytes; the entry is
+    dropped and counted."""
+    observed = Metrics()
+    encoder = ImageEncoder.from_settings(SMALL, observer=observed)
+    image = noise_uri(12)
+    async with (
+        serving(rank_engines.server, encoder=encoder) as harness,
+        landing_pools(rank_engines, 3 * ROW) as pools,
+    ):
+        pool = pools[0]
+        held = await harness.client.encode("held", [image], receive_count=2)
+        first = pool.allocate(ROW)
+        await harness.client.send("held", pool.session_id, first.address)
+        scope = harness.running.service.registry.find_live("held")
+        assert scope is not None
+        assert scope._embedding is not None
+        ((address, nbytes),) = scope._embedding.segments
+        assert encoder.cache is not None
+        (cached,) = encoder.cache._entries.values()
+        assert (cached.data_ptr(), nbytes) == (address, ROW), "the request sends the cached row"
+        poison = torch.full((ROW,), 7, dtype=torch.uint8)
+        attacker = rank_engines.ranks[1]
+        await attacker.transfer(rank_engines.server.session_id, [(poison.data_ptr(), ROW)], address)
+        assert bytes(cached.view(torch.uint8).numpy().data)[:8] == b"\x07" * 8, "it landed"
+
+        again = await harness.client.encode("again", [image], receive_count=1)
+        assert again.checksum == held.checksum
+        second = pool.allocate(ROW)
+        sent = await harness.client.send("again", pool.session_id, second.address)
+        second.verify(sent.embedding_size, sent.checksum)
+        assert second.raw()[:ROW].tolist() == first.raw()[:ROW].tolist()
+        await harness.client.send("held", pool.session_id, pool.allocate(ROW).address)
+        await harness.settled()
+    text = observed.render().decode()
+    assert metric_value(text, "encoder_cache_poisoned_total", source="cache") == 1
+
+
+async def test_a_store_entry_whose_bytes_were_overwritten_is_never_served(
+    rank_engines: RankEngines, tmp_path: Path
+) -> None:
+    """A stranger's Mooncake Store client, connected to the cluster's real master, reads the
+    entry this encoder stored and writes it back with other row bytes under the checksum
+    stored with it (what a write into the store's memory leaves). The encoder keeps nothing
+    locally, so the next request reads that entry: it does not match, is removed and counted,
+    and the image is encoded again; the request after that is a clean store hit."""
+    from mooncake.store import MooncakeDistributedStore
+
+    master = start_master(tmp_path)
+    stranger = MooncakeDistributedStore()
+    try:
+        observed = Metrics()
+        settings = replace(
+            SMALL,
+            cache_bytes=0,
+            store_master=master.address,
+            store_segment_bytes=16 << 20,
+            store_buffer_bytes=16 << 20,
+            store_wait=5.0,
+        )
+        store = MooncakeEmbeddingStore.from_settings(
+            settings, hostname="127.0.0.1", protocol="tcp", device="", observer=observed
+        )
+        encoder = ImageEncoder.from_settings(settings, observer=observed, store=store)
+        setup = partial(stranger.setup, "127.0.0.1", "P2PHANDSHAKE", 16 << 20, 16 << 20, "tcp")
+        assert await trio.to_thread.run_sync(setup, "", master.address) == 0
+        image = noise_uri(13)
+        data = load_item(image, max_bytes=SMALL.max_image_bytes)
+        key = store_key(encoder.model.fingerprint, content_key(encoder.model.model_id, data))
+
+        def count(name: str, **labels: str) -> float:
+            return metric_value(observed.render().decode(), name, **labels)
+
+        async with (
+            serving(rank_engines.server, encoder=encoder) as harness,
+            landing_pools(rank_engines, 3 * ROW) as pools,
+        ):
+            await until(lambda: store.connected, 30)
+            pool = pools[0]
+            clean = await harness.client.encode("first", [image], receive_count=1)
+            first = pool.allocate(ROW)
+            await harness.client.send("first", pool.session_id, first.address)
+            await until(lambda: count("store_puts_total", result="stored") == 1)
+            entry = await trio.to_thread.run_sync(stranger.get, key)
+            assert len(entry) == 8 + ROW
+            written = await trio.to_thread.run_sync(stranger.upsert, key, entry[:8] + b"\x07" * ROW)
+            assert written == 0
+
+            again = await harness.client.encode("again", [image], receive_count=1)
+            assert again.checksum == clean.checksum
+            second = pool.allocate(ROW)
+            sent = await harness.client.send("again", pool.session_id, second.address)
+            second.verify(sent.embedding_size, sent.checksum)
+            assert second.raw()[:ROW].tolist() == first.raw()[:ROW].tolist()
+            assert count("store_lookups_total", result="poisoned") == 1
+            assert count("encoder_cache_poisoned_total", source="store") == 1
+            assert count("encoder_batch_size_sum") == 2, "encoded again"
+
+            # The entry was removed, so the new one is stored.
+            await until(lambda: count("store_puts_total", result="stored") == 2)
+            await harness.client.encode("third", [image], receive_count=1)
+            third = pool.allocate(ROW)
+            sent = await harness.client.send("third", pool.session_id, third.address)
+            assert third.raw()[:ROW].tolist() == first.raw()[:ROW].tolist()
+            assert count("store_lookups_total", result="hit") == 1
+            assert count("encoder_batch_size_sum") == 2, "served from the store"
+            await harness.settled()
+    finally:
+        await trio.to_thread.run_sync(stranger.close)
+        master.stop()
 
 
 # -- receivers are authorised ---------------------------------------------------------------------

@@ -83,7 +83,7 @@ class Embedding:
     def checksum(self) -> str:
         """``xxh3-64:<hex>`` of the bytes as they lie in memory; computed on first use (it
         reads every byte: call it off the event loop) and remembered."""
-        return checksum_of(self.tensor.view(torch.uint8).numpy().data)
+        return tensor_checksum(self.tensor)
 
     @property
     def segments(self) -> list[tuple[int, int]]:
@@ -262,3 +262,8 @@ CHECKSUM_ALGORITHM = "xxh3-64"
 def checksum_of(data: bytes | memoryview) -> str:
     """The checksum of raw bytes, in the ``algorithm:hex`` form the HTTP answers carry."""
     return f"{CHECKSUM_ALGORITHM}:{xxhash.xxh3_64_hexdigest(data)}"
+
+
+def tensor_checksum(tensor: torch.Tensor) -> str:
+    """:func:`checksum_of` a contiguous CPU tensor's bytes as they lie (reads every byte)."""
+    return checksum_of(tensor.view(torch.uint8).numpy().data)

@@ -73,7 +73,7 @@ class Events:
     def rejected(self, images: int) -> None:
         self.rejections.append(images)
 
-    def cache_poisoned(self, images: int) -> None:
+    def cache_poisoned(self, images: int, source: str) -> None:
         raise AssertionError(f"{images} cached embeddings found poisoned")
 
 

@@ -36,7 +36,7 @@ import trio
 from PIL import Image
 
 from trio_encode.arena import Arena, Segment
-from trio_encode.embedding import checksum_of
+from trio_encode.embedding import checksum_of, tensor_checksum
 from trio_encode.encoder.backend import Prepared, VisionModel
 from trio_encode.encoder.cache import CacheKey, EmbeddingCache
 from trio_encode.encoder.observer import EncoderObserver
@@ -328,7 +328,9 @@ class Batcher:
         images = [job.image for job in batch]
         targets = self._allocate_segments(batch)
         try:
-            rows, seconds = await self._run_forward(partial(self._forward, images, targets))
+            rows, checksums, seconds = await self._run_forward(
+                partial(self._forward, images, targets)
+            )
         except Exception as exc:
             release_all(targets)
             self.observer.batch_finished(len(batch), 0.0, ok=False)
@@ -349,12 +351,14 @@ class Batcher:
                 job.fail(ShuttingDown("the encoder stopped while this request ran"))
             raise
         self.observer.batch_finished(len(batch), seconds, ok=True)
-        for job, row, segment in zip(batch, rows, targets, strict=True):
+        for job, row, segment, checksum in zip(batch, rows, targets, checksums, strict=True):
             self._forget(job)
             if self._cache is not None:
-                self._cache.put(job.key, row, job.image.grid)
+                assert checksum is not None
+                self._cache.put(job.key, row, checksum, job.image.grid)
             if self._store is not None:
-                self._offer(job.key, row, segment)
+                assert checksum is not None
+                self._offer(job.key, row, segment, checksum)
             if segment is not None:
                 segment.tag = job.image.grid
                 segment.arena.keep(segment, job.key)
@@ -365,7 +369,9 @@ class Batcher:
         elif self._arena is not None:
             self.observer.cache_size(self._arena.cached_bytes, len(self._arena))
 
-    def _offer(self, key: CacheKey, row: torch.Tensor, segment: Segment | None) -> None:
+    def _offer(
+        self, key: CacheKey, row: torch.Tensor, segment: Segment | None, checksum: str
+    ) -> None:
         """Offer a row to the store. The put reads it later, in the background: a row in the
         arena is a view of its segment, so the put holds a lease on the segment until it no
         longer reads it (an abandoned put too). Without it the segment could be evicted and
@@ -375,7 +381,7 @@ class Batcher:
         if segment is not None:
             segment.arena.lease(segment)
             done = partial(segment.arena.release, segment)
-        self._store.put(store_key(self.backend.fingerprint, key), row, done)
+        self._store.put(store_key(self.backend.fingerprint, key), row, checksum, done)
 
     def _allocate_segments(self, batch: list[Job]) -> list[Segment | None]:
         """A segment for each image of a batch, leased by the forward until it delivers: the
@@ -391,10 +397,12 @@ class Batcher:
 
     def _forward(
         self, images: list[Prepared], targets: Sequence[Segment | None] = ()
-    ) -> tuple[list[torch.Tensor], float]:
+    ) -> tuple[list[torch.Tensor], list[str | None], float]:
         """In the worker thread: one forward pass, one tensor per image, in host memory; an
         image with a target segment is copied into it (its row is then a view of the segment).
-        Every copy has completed when this returns."""
+        Every copy has completed when this returns. With each row, the checksum of its bytes as
+        written here, for whatever keeps it (the cache, the arena, the store) to compare later
+        reads with (None where nothing keeps it)."""
         start = time.perf_counter()
         backend = self.backend
         with torch.inference_mode():
@@ -424,10 +432,16 @@ class Batcher:
                     rows.append(out.to("cpu"))
             if not on_host:
                 torch.cuda.synchronize(backend.device)
-            for segment in targets:
+            kept = self._cache is not None or self._store is not None
+            checksums: list[str | None] = []
+            for index, row in enumerate(rows):
+                segment = targets[index] if targets else None
                 if segment is not None:  # what later requests compare the bytes with
                     segment.digest = checksum_of(segment.buffer)
-        return rows, time.perf_counter() - start
+                    checksums.append(segment.digest)
+                else:
+                    checksums.append(tensor_checksum(row) if kept else None)
+        return rows, checksums, time.perf_counter() - start
 
     async def _decode_in_thread(self, fn: Callable[[], T]) -> T:
         return await trio.to_thread.run_sync(fn, limiter=self._decode_limiter)

@@ -2,6 +2,10 @@
 
 A hit returns the very tensor that was stored, not a copy: two requests for one image then
 share memory, which the request lifecycle must handle (register once per address range).
+Each entry keeps the checksum of its bytes as they were written: a row is registered with the
+transfer engine while a request sends it, and anyone who reaches the engine's port can write it
+then, so the encoder compares a hit with it before serving it (:meth:`EmbeddingCache.discard`
+drops one that no longer matches).
 Stored tensors may be views into one batched output; the cache counts the memory it actually
 keeps alive (each underlying storage once), so its bound is honest.
 """
@@ -40,6 +44,7 @@ class EmbeddingCache:
         self.max_bytes = max_bytes
         self._entries: OrderedDict[CacheKey, torch.Tensor] = OrderedDict()
         self._grids: dict[CacheKey, Grid] = {}  # for the entries whose image has a grid
+        self._digests: dict[CacheKey, str] = {}  # each entry's checksum when it was written
         # storage address -> [bytes of the storage, entries that keep it alive]
         self._storages: dict[int, list[int]] = {}
         self._bytes = 0
@@ -65,10 +70,16 @@ class EmbeddingCache:
         """The grid kept with ``key``'s entry (None: none, or no entry)."""
         return self._grids.get(key)
 
-    def put(self, key: CacheKey, tensor: torch.Tensor, grid: Grid | None = None) -> None:
-        """Keep ``tensor`` and its image's ``grid`` (an existing entry for ``key`` wins), then
-        evict least recently used entries until the bound holds. A tensor bigger than the
-        bound is not kept."""
+    def digest(self, key: CacheKey) -> str | None:
+        """The checksum of ``key``'s entry when it was written (None: no entry)."""
+        return self._digests.get(key)
+
+    def put(
+        self, key: CacheKey, tensor: torch.Tensor, digest: str, grid: Grid | None = None
+    ) -> None:
+        """Keep ``tensor``, the checksum of its bytes as written (``digest``) and its image's
+        ``grid`` (an existing entry for ``key`` wins), then evict least recently used entries
+        until the bound holds. A tensor bigger than the bound is not kept."""
         if key in self._entries:
             self._entries.move_to_end(key)
             return
@@ -76,15 +87,26 @@ class EmbeddingCache:
         if storage.nbytes() > self.max_bytes:
             return
         self._entries[key] = tensor
+        self._digests[key] = digest
         if grid is not None:
             self._grids[key] = grid
         self._retain(storage.data_ptr(), storage.nbytes())
         while self._bytes > self.max_bytes:
             self._evict_oldest()
 
+    def discard(self, key: CacheKey, tensor: torch.Tensor) -> bool:
+        """Drop ``key``'s entry if it is still ``tensor`` (not one kept since); whether it was.
+        Requests that hold the tensor keep it; the cache no longer serves it."""
+        if self._entries.get(key) is not tensor:
+            return False
+        del self._entries[key]
+        self._forget(key, tensor)
+        return True
+
     def clear(self) -> None:
         self._entries.clear()
         self._grids.clear()
+        self._digests.clear()
         self._storages.clear()
         self._bytes = 0
 
@@ -98,7 +120,11 @@ class EmbeddingCache:
 
     def _evict_oldest(self) -> None:
         key, tensor = self._entries.popitem(last=False)
+        self._forget(key, tensor)
+
+    def _forget(self, key: CacheKey, tensor: torch.Tensor) -> None:
         self._grids.pop(key, None)
+        self._digests.pop(key, None)
         address = tensor.untyped_storage().data_ptr()
         held = self._storages[address]
         held[1] -= 1

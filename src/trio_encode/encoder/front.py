@@ -38,6 +38,7 @@ from trio_encode.embedding import (
     Embedding,
     RowsEmbedding,
     checksum_of,
+    tensor_checksum,
 )
 from trio_encode.encoder.backend import (
     FixedShape,
@@ -121,6 +122,8 @@ class _StoreRead:
 
     done: trio.Event = field(default_factory=trio.Event)
     row: torch.Tensor | None = None
+    checksum: str | None = None
+    """The row's checksum, as the store holds it and the row was found to match."""
 
 
 class ImageEncoder:
@@ -333,13 +336,14 @@ class ImageEncoder:
             elif self._cache is not None:
                 results = [self._cache.get(key) for key in keys]
                 grids = [self._cache.grid(key) for key in keys]
+                await self._drop_poisoned_rows(keys, results, grids)
                 misses = sum(result is None for result in results)
                 self.observer.cache_looked_up(len(items) - misses, misses)
             missing = [i for i, result in enumerate(results) if result is None]
             if missing and self.store is not None:
-                await self._look_up_store(keys, results, missing)
+                checksums = await self._look_up_store(keys, results, missing)
                 if self._arena is not None:
-                    await self._keep_store_hits(keys, results, missing, segments)
+                    await self._keep_store_hits(keys, results, missing, segments, checksums)
                 missing = [i for i, result in enumerate(results) if result is None]
             if missing:
                 await self._encode_missing(items, keys, results, grids, missing, segments)
@@ -389,10 +393,46 @@ class ImageEncoder:
                 segments[index] = None
                 results[index] = None
                 grids[index] = None
-        self.observer.cache_poisoned(len(poisoned))
+        self.observer.cache_poisoned(len(poisoned), "arena")
         log.warning(
             "%d cached embeddings no longer match their checksum: dropped and encoded again "
             "(something wrote into the registered arena)",
+            len(poisoned),
+        )
+
+    async def _drop_poisoned_rows(
+        self,
+        keys: list[CacheKey],
+        results: list[torch.Tensor | None],
+        grids: list[Grid | None],
+    ) -> None:
+        """Compare every hit of the cache (without an arena) with the checksum recorded when
+        its row was written, and treat a mismatch as a miss: dropped from the cache, counted,
+        logged, encoded again. A cached row is registered with the transfer engine while any
+        request sends it, so anyone who reaches the engine's port can write it then."""
+        assert self._cache is not None
+        cache = self._cache
+        hits = {keys[i]: row for i, row in enumerate(results) if row is not None}
+        if not hits:
+            return
+        expected = [cache.digest(key) for key in hits]
+        found = await self.batcher.run_decode(partial(_checksums, list(hits.values())))
+        poisoned = {
+            key for key, want, got in zip(hits, expected, found, strict=True) if want != got
+        }
+        if not poisoned:
+            return
+        dropped = sum(cache.discard(key, hits[key]) for key in poisoned)
+        for index, key in enumerate(keys):
+            if key in poisoned:
+                results[index] = None
+                grids[index] = None
+        if dropped:
+            self.observer.cache_poisoned(dropped, "cache")
+            self.observer.cache_size(cache.nbytes, len(cache))
+        log.warning(
+            "%d cached embeddings no longer match their checksum: dropped and encoded again "
+            "(something wrote into a cached row while it was registered)",
             len(poisoned),
         )
 
@@ -402,11 +442,14 @@ class ImageEncoder:
         results: list[torch.Tensor | None],
         looked_up: list[int],
         segments: list[Segment | None],
+        checksums: dict[CacheKey, str],
     ) -> None:
         """Copy each store hit into an arena segment kept as the local cache, so the request is
         sent from the arena (no registration) and the next one finds it here. A store read
         lands in memory of its own (an abandoned read may still write it), hence the copy; with
-        the arena full, the hit stays where it is and the request registers its own memory."""
+        the arena full, the hit stays where it is and the request registers its own memory.
+        The segment is compared later with the checksum the store's entry was checked against,
+        not one of the copy: a write into the segment meanwhile is caught, not recorded."""
         assert self._arena is not None
         assert self.model.fixed_tokens is not None
         nbytes = self.batcher.row_bytes(self.model.fixed_tokens)
@@ -422,7 +465,7 @@ class ImageEncoder:
                     continue
                 segments[index] = segment  # from here the caller's cleanup releases it
                 view = self.batcher.row_view(segment)
-                await self.batcher.run_decode(partial(_fill, segment, view, row))
+                await self.batcher.run_decode(partial(_fill, segment, view, row, checksums[key]))
                 kept = self._arena.keep(segment, key)
                 if kept is not segment:  # another request kept this image meanwhile
                     self._arena.lease(kept)
@@ -436,8 +479,9 @@ class ImageEncoder:
 
     async def _look_up_store(
         self, keys: list[CacheKey], results: list[torch.Tensor | None], missing: list[int]
-    ) -> None:
-        """Fill ``results`` from the store where it holds the image. Images already queued or
+    ) -> dict[CacheKey, str]:
+        """Fill ``results`` from the store where it holds the image (checked against the
+        checksum stored with it); the checksum of each image found. Images already queued or
         in a forward here are not looked up (joining that forward is cheaper), and an image
         another request is already reading from the store waits for that read."""
         assert self.store is not None
@@ -456,8 +500,9 @@ class ImageEncoder:
                 fingerprint = self.model.fingerprint
                 found = await self.store.get([store_key(fingerprint, k) for k in reads], into)
                 # A miss's tensor may still be written by an abandoned read: it is dropped.
-                for read, tensor, hit in zip(reads.values(), into, found, strict=True):
-                    read.row = tensor if hit else None
+                for read, tensor, checksum in zip(reads.values(), into, found, strict=True):
+                    read.row = tensor if checksum is not None else None
+                    read.checksum = checksum
         finally:
             # Whatever happened (a cancelled caller too), those waiting on these reads go on.
             for key, read in reads.items():
@@ -466,14 +511,28 @@ class ImageEncoder:
                     del self._store_reads[key]
         for read in others.values():
             await read.done.wait()  # bounded: the reading request's lookup is
+        checksums: dict[CacheKey, str] = {}
+        late: dict[CacheKey, list[int]] = {}
         for key, indices in [*own.items(), *joined.items()]:
-            row = (reads.get(key) or others[key]).row
-            if row is not None and self._cache is not None:
-                self._cache.put(key, row)
-            elif row is None and self._cache is not None:
-                row = self._cache.get(key)  # a forward elsewhere may have finished meanwhile
+            read = reads.get(key) or others[key]
+            row = read.row
+            if row is not None and read.checksum is not None:
+                checksums[key] = read.checksum
+                if self._cache is not None:
+                    self._cache.put(key, row, read.checksum)
+            elif self._cache is not None and key in self._cache:
+                late[key] = indices  # a forward elsewhere may have finished meanwhile
+                continue
             for index in indices:
                 results[index] = row
+        if late:  # from the cache: checked as every cache hit is
+            late_keys = list(late)
+            rows = [self._cache.get(key) if self._cache else None for key in late_keys]
+            await self._drop_poisoned_rows(late_keys, rows, [None] * len(rows))
+            for key, row in zip(late_keys, rows, strict=True):
+                for index in late[key]:
+                    results[index] = row
+        return checksums
 
     def _landing_row(self) -> torch.Tensor:
         """Memory for one image's embedding read from the store: the tensor the request then
@@ -593,11 +652,16 @@ def _intact(segments: Sequence[Segment]) -> list[bool]:
     ]
 
 
-def _fill(segment: Segment, view: torch.Tensor, row: torch.Tensor) -> None:
+def _fill(segment: Segment, view: torch.Tensor, row: torch.Tensor, checksum: str) -> None:
     """In a worker thread: copy ``row`` into ``segment`` (through ``view``) and record the
-    checksum later lookups compare with."""
+    checksum later lookups compare with: the one ``row`` was checked against."""
     view.copy_(row)
-    segment.digest = checksum_of(segment.buffer)
+    segment.digest = checksum
+
+
+def _checksums(rows: Sequence[torch.Tensor]) -> list[str]:
+    """In a worker thread: the checksum of each row's bytes as they lie now."""
+    return [tensor_checksum(row) for row in rows]
 
 
 def _assemble(

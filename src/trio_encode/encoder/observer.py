@@ -24,8 +24,9 @@ class EncoderObserver(Protocol):
     def rejected(self, images: int) -> None:
         """A request was refused because the queue was full (Overloaded)."""
 
-    def cache_poisoned(self, images: int) -> None:
-        """Cached embeddings whose bytes no longer matched their checksum were dropped."""
+    def cache_poisoned(self, images: int, source: str) -> None:
+        """Cached embeddings whose bytes no longer matched their checksum were dropped;
+        ``source``: ``arena`` or ``cache`` (the store's count as its lookups' ``poisoned``)."""
 
 
 class NullEncoderObserver:
@@ -46,5 +47,5 @@ class NullEncoderObserver:
     def rejected(self, images: int) -> None:
         pass
 
-    def cache_poisoned(self, images: int) -> None:
+    def cache_poisoned(self, images: int, source: str) -> None:
         pass

@@ -4,9 +4,18 @@ An encoder looks an image up in its own cache, then here, and only then runs the
 a forward it offers the embedding here, so the next encoder asked for that image (a sibling
 that failed over, an encoder that joined, an image routed elsewhere) skips the forward.
 
-Keys are ``trio-encode/<model fingerprint>/<sha256 of the image bytes>``
+Keys are ``trio-encode/checked/<model fingerprint>/<sha256 of the image bytes>``
 (:mod:`trio_encode.encoder.fingerprint`): encoders with different models or dtypes never share
 an entry, the same model on every host always does.
+
+An entry is one object: the 8-byte XXH3-64 digest of the row, then the row, written by one put
+from two buffers (the digest recorded when the forward wrote the row, never recomputed from
+bytes that may have changed since). Every read compares the row it got with the digest it got
+with it, in the reading thread, before the row is used: an entry whose bytes and digest
+disagree (written into through the store's own transfer port, torn, or raced) is a
+``poisoned`` lookup, removed from the store and encoded again, never served. The digest is not
+a secret: whoever can put to the store can write a consistent entry of their own (the store's
+network must be closed to strangers, ``docs/operations.md``).
 
 The store must never fail or slow a request:
 
@@ -24,7 +33,7 @@ The store must never fail or slow a request:
 - every outcome is counted (:class:`StoreObserver`), so a store that misbehaves shows in the
   metrics instead of in latency.
 
-A hit is written by ``get_into`` straight into the tensor the request will send from (over TCP
+A hit's row is written straight into the tensor the request will send from (over TCP
 any memory works; over RDMA that memory must be registered with the store's client, which is
 what a registered arena provides).
 """
@@ -42,25 +51,41 @@ from typing import Any, Literal, Protocol
 import torch
 import trio
 
+from trio_encode.embedding import CHECKSUM_ALGORITHM, tensor_checksum
 from trio_encode.encoder.cache import CacheKey
 from trio_encode.encoder.settings import EncoderSettings
 
 log = logging.getLogger(__name__)
 
-LookupResult = Literal["hit", "miss", "error", "timeout", "unavailable"]
+LookupResult = Literal["hit", "miss", "error", "timeout", "unavailable", "poisoned"]
 PutResult = Literal["stored", "failed", "timeout", "dropped"]
 
 _OBJECT_NOT_FOUND = -704  # Mooncake Store's code for a key it does not hold
+_POISONED = 1  # not a Mooncake code: an entry read whole whose row and digest disagree
 _PUT_QUEUE = 64  # embeddings waiting to be put; more are dropped
 _PUT_SECONDS = 5.0  # one put's bound; a slower one is abandoned and counted as a timeout
 _THREADS = 4  # store calls in flight, abandoned ones included: a hung store holds at most this
 _RETRY_SECONDS = 5.0  # between attempts to reach the master
 _WARN_SECONDS = 10.0  # a failing store logs at most one line per period; metrics count all
+_DIGEST = 8  # bytes of the XXH3-64 digest in front of each entry's row
 
 
 def store_key(fingerprint: str, key: CacheKey) -> str:
-    """The store's key for an image's embedding under the model ``fingerprint``."""
-    return f"trio-encode/{fingerprint}/{key.sha256}"
+    """The store's key for an image's embedding under the model ``fingerprint`` (entries of
+    this layout, digest then row, under a prefix of their own)."""
+    return f"trio-encode/checked/{fingerprint}/{key.sha256}"
+
+
+def _digest_bytes(checksum: str) -> torch.Tensor:
+    """An ``xxh3-64:<hex>`` checksum as the 8 bytes stored in front of a row."""
+    algorithm, _, hexdigest = checksum.partition(":")
+    if algorithm != CHECKSUM_ALGORITHM or len(hexdigest) != 2 * _DIGEST:
+        raise ValueError(f"not an {CHECKSUM_ALGORITHM} checksum: {checksum!r}")
+    return torch.frombuffer(bytearray.fromhex(hexdigest), dtype=torch.uint8)
+
+
+def _stored_checksum(digest: torch.Tensor) -> str:
+    return f"{CHECKSUM_ALGORITHM}:{bytes(digest.numpy()).hex()}"
 
 
 Done = Callable[[], None]
@@ -97,8 +122,9 @@ class EmbeddingStore(Protocol):
         raises an :class:`Exception`: a broken store leaves the encoder without it."""
         ...
 
-    async def get(self, keys: Sequence[str], into: Sequence[torch.Tensor]) -> list[bool]:
-        """Fill ``into[i]`` with the embedding stored under ``keys[i]``; which were found.
+    async def get(self, keys: Sequence[str], into: Sequence[torch.Tensor]) -> list[str | None]:
+        """Fill ``into[i]`` with the embedding stored under ``keys[i]``; for each, its checksum
+        if it was found and its bytes match the checksum stored with them, else None.
 
         Never raises for the store's sake and returns within the configured wait. A tensor
         that was not found may still be written afterwards (an abandoned read): the caller
@@ -106,8 +132,9 @@ class EmbeddingStore(Protocol):
         """
         ...
 
-    def put(self, key: str, tensor: torch.Tensor, done: Done | None = None) -> None:
-        """Offer an embedding, to be stored in the background; returns at once.
+    def put(self, key: str, tensor: torch.Tensor, checksum: str, done: Done | None = None) -> None:
+        """Offer an embedding and the checksum of its bytes as written, to be stored together
+        in the background; returns at once.
 
         ``tensor``'s bytes are read later. ``done`` (if given) is called on the event loop,
         exactly once, when the store no longer reads them: the put finished, failed, or was
@@ -160,7 +187,7 @@ class MooncakeEmbeddingStore:
         self._unlogged = 0
         self._limiter = trio.CapacityLimiter(_THREADS)
         self._puts_in, self._puts_out = trio.open_memory_channel[
-            tuple[str, torch.Tensor, Done | None]
+            tuple[str, torch.Tensor, torch.Tensor, Done | None]
         ](_PUT_QUEUE)
 
     @classmethod
@@ -198,8 +225,8 @@ class MooncakeEmbeddingStore:
                 if self._client is None:
                     await trio.sleep(_RETRY_SECONDS)
             self.observer.store_connected(True)
-            async for key, tensor, done in self._puts_out:
-                await self._put_now(key, tensor, done)
+            async for key, tensor, digest, done in self._puts_out:
+                await self._put_now(key, tensor, digest, done)
         except Exception:
             # The store is an optimisation: its failure must not end the encoder it serves.
             log.exception("the store client failed; this encoder goes on without the store")
@@ -233,7 +260,7 @@ class MooncakeEmbeddingStore:
         """Puts still queued when the store stops never run: they no longer read anything."""
         while True:
             try:
-                _, _, done = self._puts_out.receive_nowait()
+                _, _, _, done = self._puts_out.receive_nowait()
             except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
                 return
             self.observer.store_put("dropped")
@@ -267,42 +294,74 @@ class MooncakeEmbeddingStore:
                 _RETRY_SECONDS,
             )
 
-    async def get(self, keys: Sequence[str], into: Sequence[torch.Tensor]) -> list[bool]:
+    async def get(self, keys: Sequence[str], into: Sequence[torch.Tensor]) -> list[str | None]:
         client = self._client
         if client is None:
             self.observer.store_looked_up("unavailable", len(keys))
-            return [False] * len(keys)
+            return [None] * len(keys)
         targets = [
-            (key, tensor, tensor.numel() * tensor.element_size())
+            (
+                key,
+                tensor,
+                tensor.numel() * tensor.element_size(),
+                torch.empty(_DIGEST, dtype=torch.uint8),
+            )
             for key, tensor in zip(keys, into, strict=True)
         ]
 
-        def read() -> list[int]:
+        def read() -> list[tuple[int, str | None, int]]:
             # The tensors live in ``targets``, which this function holds until it returns:
-            # an abandoned read still writes only into memory it keeps alive.
-            return [client.get_into(key, t.data_ptr(), n) for key, t, n in targets]
+            # an abandoned read still writes only into memory it keeps alive. Each row is
+            # checked here, before anyone can use it.
+            codes: list[int] = client.batch_get_into_multi_buffers(
+                [key for key, _, _, _ in targets],
+                [[digest.data_ptr(), row.data_ptr()] for _, row, _, digest in targets],
+                [[_DIGEST, nbytes] for _, _, nbytes, _ in targets],
+            )
+            checked: list[tuple[int, str | None, int]] = []
+            for (key, row, nbytes, digest), code in zip(targets, codes, strict=True):
+                checksum, removed = None, 0
+                if code == _DIGEST + nbytes:
+                    checksum = tensor_checksum(row)
+                    if checksum != _stored_checksum(digest):
+                        checksum = None
+                        # Forced: a lease another reader holds must not keep it served.
+                        removed = client.remove(key, True)
+                        code = _POISONED
+                checked.append((code, checksum, removed))
+            return checked
 
-        codes: list[int] | None = None
+        checked: list[tuple[int, str | None, int]] | None = None
         with trio.move_on_after(self.wait):
-            codes = await trio.to_thread.run_sync(
+            checked = await trio.to_thread.run_sync(
                 read, abandon_on_cancel=True, limiter=self._limiter
             )
-        if codes is None:
+        if checked is None:
             self._warn("the store took over %.3f s; running the forward instead", self.wait)
             self.observer.store_looked_up("timeout", len(keys))
-            return [False] * len(keys)
+            return [None] * len(keys)
         found = []
-        for (key, _, nbytes), code in zip(targets, codes, strict=True):
+        for (key, _, nbytes, _), (code, checksum, removed) in zip(targets, checked, strict=True):
             result: LookupResult
-            if code == nbytes:
+            if checksum is not None:
                 result = "hit"
+            elif code == _POISONED:
+                result = "poisoned"
+                log.warning(
+                    "the store's entry %s does not match its checksum: %s, encoded again "
+                    "(something wrote into the store's memory, or a put was torn)",
+                    key,
+                    "removed" if removed == 0 else f"not removed ({removed})",
+                )
             elif code == _OBJECT_NOT_FOUND:
                 result = "miss"
             else:
                 result = "error"
-                self._warn("store read of %s returned %d (expected %d bytes)", key, code, nbytes)
+                self._warn(
+                    "store read of %s returned %d (expected %d bytes)", key, code, _DIGEST + nbytes
+                )
             self.observer.store_looked_up(result, 1)
-            found.append(result == "hit")
+            found.append(checksum)
         return found
 
     def _warn(self, message: str, *args: object) -> None:
@@ -317,10 +376,10 @@ class MooncakeEmbeddingStore:
         log.warning(message, *args)
         self._warned_at, self._unlogged = now, 0
 
-    def put(self, key: str, tensor: torch.Tensor, done: Done | None = None) -> None:
+    def put(self, key: str, tensor: torch.Tensor, checksum: str, done: Done | None = None) -> None:
         if self._client is not None:
             try:
-                self._puts_in.send_nowait((key, tensor, done))
+                self._puts_in.send_nowait((key, tensor, _digest_bytes(checksum), done))
                 return
             except trio.WouldBlock:
                 pass
@@ -328,7 +387,9 @@ class MooncakeEmbeddingStore:
         if done is not None:
             done()
 
-    async def _put_now(self, key: str, tensor: torch.Tensor, done: Done | None) -> None:
+    async def _put_now(
+        self, key: str, tensor: torch.Tensor, digest: torch.Tensor, done: Done | None
+    ) -> None:
         client = self._client
         assert client is not None
         nbytes = tensor.numel() * tensor.element_size()
@@ -337,13 +398,16 @@ class MooncakeEmbeddingStore:
         def write() -> int | None:
             # Holds ``tensor`` until the write returns, also when abandoned; only then is
             # ``done`` called, back on the event loop, so what it gives back is not read again.
+            # One object from two buffers: the digest and the row are never stored apart.
             if not claim.start():
                 return None  # given up on before it started: it reads nothing
             try:
-                code: int = client.put_from(key, tensor.data_ptr(), nbytes)
+                codes: list[int] = client.batch_put_from_multi_buffers(
+                    [key], [[digest.data_ptr(), tensor.data_ptr()]], [[_DIGEST, nbytes]]
+                )
             finally:
                 claim.finished()
-            return code
+            return codes[0]
 
         code: int | None = None
         with trio.move_on_after(_PUT_SECONDS):

@@ -229,7 +229,9 @@ class Exposed:
     encoder_cache_poisoned = _Metric(
         Counter,
         "Cached embeddings dropped because their bytes no longer matched the checksum "
-        "recorded when they were written (memory changed behind the encoder's back).",
+        "recorded when they were written (memory changed behind the encoder's back), by "
+        "where they were found (arena, cache, store).",
+        ("source",),
     )
     encoder_rejected_images = _Metric(Counter, "Images refused because the queue was full.")
     # The cluster-wide store's events (StoreObserver).
@@ -237,7 +239,8 @@ class Exposed:
     store_lookups = _Metric(
         Counter,
         "Images looked up in the cluster-wide store, by result (hit, miss, error, timeout, "
-        "unavailable); all but hit run the forward locally.",
+        "unavailable, poisoned: read whole but not matching the checksum stored with it); all "
+        "but hit run the forward locally.",
         ("result",),
     )
     store_puts = _Metric(
@@ -395,8 +398,8 @@ class Metrics:
     def rejected(self, images: int) -> None:
         self.exposed.encoder_rejected_images.inc(images)
 
-    def cache_poisoned(self, images: int) -> None:
-        self.exposed.encoder_cache_poisoned.inc(images)
+    def cache_poisoned(self, images: int, source: str) -> None:
+        self.exposed.encoder_cache_poisoned.labels(source=source).inc(images)
 
     # -- StoreObserver ------------------------------------------------------------------------
 
@@ -405,6 +408,8 @@ class Metrics:
 
     def store_looked_up(self, result: str, images: int) -> None:
         self.exposed.store_lookups.labels(result=result).inc(images)
+        if result == "poisoned":
+            self.cache_poisoned(images, "store")
 
     def store_put(self, result: str) -> None:
         self.exposed.store_puts.labels(result=result).inc()
