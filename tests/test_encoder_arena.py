@@ -174,7 +174,7 @@ async def test_a_row_sent_as_it_lies_in_the_arena_keeps_its_segment_until_releas
     transfer), so the arena cannot evict it and write another image there meanwhile."""
     arena = Arena(4096, cache_bytes=4096)  # one segment, which may be cached
     encoder = make(arena, cache_bytes=4096)
-    async with serving(encoder):
+    async with encoder_running(encoder):
         mixed = await encoder.encode([image(1), image(2)])  # one in the arena, one outside
         assert isinstance(mixed, RowsEmbedding)
         assert arena.leased_bytes == 4096

@@ -495,7 +495,7 @@ async def test_an_engine_write_into_a_registered_cached_row_is_never_served(
     encoder = ImageEncoder.from_settings(SMALL, observer=observed)
     image = noise_uri(12)
     async with (
-        serving(rank_engines.server, encoder=encoder) as harness,
+        http_server(rank_engines.server, encoder=encoder) as harness,
         landing_pools(rank_engines, 3 * ROW) as pools,
     ):
         pool = pools[0]
@@ -562,7 +562,7 @@ async def test_a_store_entry_whose_bytes_were_overwritten_is_never_served(
             return metric_value(observed.render().decode(), name, **labels)
 
         async with (
-            serving(rank_engines.server, encoder=encoder) as harness,
+            http_server(rank_engines.server, encoder=encoder) as harness,
             landing_pools(rank_engines, 3 * ROW) as pools,
         ):
             await until(lambda: store.connected, 30)
