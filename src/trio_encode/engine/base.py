@@ -9,6 +9,7 @@ can ignore a failure the way SGLang's encode server once ignored ``transfer_sync
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import KW_ONLY, dataclass, replace
 from typing import Literal, Protocol, runtime_checkable
 
 # Mooncake's return codes that the rules below depend on (mooncake/transfer_engine error.h).
@@ -51,6 +52,7 @@ def engine_code_meaning(code: int) -> str:
     return ENGINE_CODE_MEANINGS.get(code, "an error code this server does not know")
 
 
+@dataclass(eq=False, repr=False)  # an exception: equal only to itself, shown by its message
 class EngineError(Exception):
     """A transfer-engine call returned an error code.
 
@@ -58,38 +60,22 @@ class EngineError(Exception):
     addresses and peer involved.
     """
 
-    def __init__(
-        self,
-        call: EngineCall,
-        code: int,
-        *,
-        address: int | None = None,
-        length: int | None = None,
-        session_id: str | None = None,
-        remote_address: int | None = None,
-        detail: str = "",
-    ) -> None:
-        self.call: EngineCall = call
-        self.code = code
-        self.address = address
-        self.length = length
-        self.session_id = session_id
-        self.remote_address = remote_address
-        self.detail = detail
+    call: EngineCall
+    code: int
+    _: KW_ONLY
+    address: int | None = None
+    length: int | None = None
+    session_id: str | None = None
+    remote_address: int | None = None
+    detail: str = ""
+
+    def __post_init__(self) -> None:
         super().__init__(self._describe())
 
     def fresh(self) -> EngineError:
         """The same error as a new exception, with no traceback and nothing chained: one for
         each caller to raise (see :meth:`trio_encode.errors.RequestError.fresh`)."""
-        return EngineError(
-            self.call,
-            self.code,
-            address=self.address,
-            length=self.length,
-            session_id=self.session_id,
-            remote_address=self.remote_address,
-            detail=self.detail,
-        )
+        return replace(self)
 
     def _describe(self) -> str:
         parts = [f"transfer engine {self.call} failed with code {self.code}"]
