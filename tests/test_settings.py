@@ -10,11 +10,14 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 import trio_encode
 import trio_encode.server.serve
 from trio_encode.cli import cli
+from trio_encode.declare import SETTINGS, in_group
 from trio_encode.encoder import EncoderSettings
+from trio_encode.options import command_settings
 from trio_encode.settings import ServerSettings, catalog
 from trio_encode.sizes import GiB, KiB, MiB, format_size, parse_size
 
@@ -265,3 +268,17 @@ def test_exactly_reads_no_variable_and_no_file(
     exact = ServerSettings.exactly(send_timeout=4)
     assert (exact.token, exact.port, exact.service.send_timeout) == (None, 8000, 4)
     assert ServerSettings().token == "from-the-shell"  # reading resumes afterwards
+
+
+def test_a_settings_help_is_its_docstring_and_one_without_is_refused() -> None:
+    @pydantic_dataclass(config=SETTINGS)
+    class Knobs:
+        documented: int = in_group("demo")(1)
+        """Said once,
+        over two lines."""
+        bare: int = in_group("demo")(2)
+
+    documented, bare = command_settings(Knobs)
+    assert documented.help == "Said once, over two lines."
+    with pytest.raises(TypeError, match="'bare' has no docstring"):
+        bare.help  # noqa: B018

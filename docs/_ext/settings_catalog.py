@@ -67,7 +67,7 @@ def rows() -> list[Row]:
                 config_key=entry.name if entry.env else None,
                 type="flag" if boolean else metavar(info),
                 default=shown_default(info),
-                help=info.description or "",
+                help=entry.help,
             )
         )
     return found

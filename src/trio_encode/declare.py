@@ -2,17 +2,17 @@
 
 Every setting of the package is a field made by :func:`setting` (through :func:`in_group`, so a
 model names each ``--help`` section once) in the settings model of the layer that obeys it (the
-scopes, the engine, the encoder, the HTTP server). Its type, default, bounds and help are stated
-there once; the command line, the ``TRIO_ENCODE_*`` variables, the
-config file and the docs are all generated from that field, so adding a setting is adding a
-field.
+scopes, the engine, the encoder, the HTTP server), a model configured with :data:`SETTINGS`. Its
+type, default and bounds are stated there once, and its help is the field's docstring; the
+command line, the ``TRIO_ENCODE_*`` variables, the config file and the docs are all generated
+from that field, so adding a setting is adding a field and its docstring.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal, Protocol, get_args
 
-from pydantic import Field
+from pydantic import ConfigDict, Field
 
 Group = Literal[
     "demo", "bench", "fleet", "soak", "server", "engine", "model", "batching", "cache", "logging"
@@ -20,31 +20,34 @@ Group = Literal[
 """The sections of ``--help``, in the order they are shown (a command's own first)."""
 GROUPS: tuple[Group, ...] = get_args(Group)
 
+SETTINGS = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+"""The config of every settings model: unknown keys are refused, and each field's docstring is
+its help."""
+
 
 def setting(
     default: Any = None,
     *,
     group: Group,
-    help: str,
     flags: tuple[str, ...] = (),
     **constraints: Any,
 ) -> Any:
-    """A field with a ``--help`` group and help text; ``constraints`` are pydantic's (``gt``,
+    """A field listed in ``--help`` under ``group``; ``constraints`` are pydantic's (``gt``,
     ``ge``, ``le``, ``repr``, ``default_factory``...). ``flags`` are extra option names the
     setting is also known by (``--api-key`` for the token)."""
     extra: dict[str, Any] = {"group": group}
     if flags:
         extra["flags"] = list(flags)
     if "default_factory" in constraints:
-        return Field(description=help, json_schema_extra=extra, **constraints)
-    return Field(default, description=help, json_schema_extra=extra, **constraints)
+        return Field(json_schema_extra=extra, **constraints)
+    return Field(default, json_schema_extra=extra, **constraints)
 
 
 class GroupSetting(Protocol):
     """:func:`setting` with its ``--help`` group already chosen."""
 
     def __call__(
-        self, default: Any = None, *, help: str, flags: tuple[str, ...] = (), **constraints: Any
+        self, default: Any = None, *, flags: tuple[str, ...] = (), **constraints: Any
     ) -> Any: ...
 
 
@@ -53,9 +56,9 @@ def in_group(group: Group) -> GroupSetting:
     section once (``server_setting = in_group("server")``), not on every field."""
 
     def grouped_setting(
-        default: Any = None, *, help: str, flags: tuple[str, ...] = (), **constraints: Any
+        default: Any = None, *, flags: tuple[str, ...] = (), **constraints: Any
     ) -> Any:
-        return setting(default, group=group, help=help, flags=flags, **constraints)
+        return setting(default, group=group, flags=flags, **constraints)
 
     return grouped_setting
 

@@ -46,7 +46,7 @@ class SettingOption(click.Option):
         default = shown_default(info)
         if default is not None:
             notes.append(f"default: {default}")
-        help_text = info.description or ""
+        help_text = entry.help
         if notes:
             help_text += f"  [{'; '.join(notes)}]"
         super().__init__(

@@ -37,7 +37,7 @@ from pydantic_settings import (
     SettingsError,
 )
 
-from trio_encode.declare import Group, comma_separated, in_group
+from trio_encode.declare import SETTINGS, Group, comma_separated, in_group
 from trio_encode.encoder.settings import EncoderSettings
 from trio_encode.engine.mooncake import MooncakeSettings, default_progress_timeout
 from trio_encode.receivers import ReceiverPolicy
@@ -89,74 +89,47 @@ class ServerSettings(BaseSettings):
     arguments leave out.
     """
 
-    model_config = SettingsConfigDict(frozen=True, extra="forbid")
+    model_config = cast(SettingsConfigDict, {**SETTINGS, "frozen": True})
 
-    config: Path | None = server_setting(
-        None,
-        help="A TOML file of settings, keyed by the flags' names with underscores (e.g. "
-        'port = 9000, engine_protocol = "rdma", cache_bytes = "1GiB"); flags and '
-        "TRIO_ENCODE_* variables override it.",
-    )
-    host: str = server_setting("127.0.0.1", help="Address to listen on.")
-    port: int = server_setting(
-        8000,
-        ge=0,
-        le=65535,
-        help="Port to listen on; 0 picks a free one and logs it.",
-    )
-    max_body_bytes: ByteSize = server_setting(
-        64 * MiB, gt=0, help="Larger request bodies are refused with 413."
-    )
-    max_control_body_bytes: ByteSize = server_setting(
-        64 * KiB,
-        gt=0,
-        help="Bodies of every route but /encode (/send, pulls: a few hundred bytes); larger "
-        "ones are refused with 413 as they arrive.",
-    )
-    max_sends_per_client: int = server_setting(
-        256,
-        gt=0,
-        help="/send calls one client address may have in flight; more get 503, so one client "
-        "cannot hold every transfer thread.",
-    )
-    allowed_receivers: ReceiverEntries = server_setting(
-        (),
-        help="Hosts /send may write to, besides loopback (always allowed): CIDR networks, "
-        "addresses or host names (matched as written, not resolved), comma-separated; '*' "
-        "allows any host (logged as a warning at start). A receiver elsewhere gets 403.",
-    )
+    config: Path | None = server_setting(None)
+    """A TOML file of settings, keyed by the flags' names with underscores (e.g. port = 9000,
+    engine_protocol = "rdma", cache_bytes = "1GiB"); flags and TRIO_ENCODE_* variables override
+    it."""
+    host: str = server_setting("127.0.0.1")
+    """Address to listen on."""
+    port: int = server_setting(8000, ge=0, le=65535)
+    """Port to listen on; 0 picks a free one and logs it."""
+    max_body_bytes: ByteSize = server_setting(64 * MiB, gt=0)
+    """Larger request bodies are refused with 413."""
+    max_control_body_bytes: ByteSize = server_setting(64 * KiB, gt=0)
+    """Bodies of every route but /encode (/send, pulls: a few hundred bytes); larger ones are
+    refused with 413 as they arrive."""
+    max_sends_per_client: int = server_setting(256, gt=0)
+    """/send calls one client address may have in flight; more get 503, so one client cannot hold
+    every transfer thread."""
+    allowed_receivers: ReceiverEntries = server_setting(())
+    """Hosts /send may write to, besides loopback (always allowed): CIDR networks, addresses or host
+    names (matched as written, not resolved), comma-separated; '*' allows any host (logged as a
+    warning at start). A receiver elsewhere gets 403."""
     token: Annotated[str | None, AfterValidator(_not_empty)] = server_setting(
-        None,
-        flags=("--api-key",),
-        repr=False,
-        help="Require 'Authorization: Bearer TOKEN' on /encode, /send and pulls (/health and "
-        "/metrics stay open). On a command line it shows in `ps`: prefer TRIO_ENCODE_TOKEN "
-        "or token_file.",
+        None, flags=("--api-key",), repr=False
     )
-    token_file: Path | None = server_setting(
-        None,
-        help="Read the token from this file (its first line), so it appears neither on the "
-        "command line nor in the environment; not with token.",
-    )
-    log_level: LogLevel = logging_setting("INFO", help="Least severe log lines shown.")
-    log_format: LogFormat = logging_setting(
-        "kv", help="key=value lines for people, JSON lines for log shippers."
-    )
-    access_log: bool = logging_setting(
-        True,
-        help="Log one line per HTTP request (method, path, status, duration, bytes, req_id).",
-    )
-    malloc_arenas: int | None = server_setting(
-        2,
-        ge=1,
-        help="glibc malloc arenas for the server process (none: glibc's default, 8 per core, "
-        "under which RSS climbs far above the memory actually held).",
-    )
-    heap_trim_seconds: float = server_setting(
-        1.0,
-        ge=0,
-        help="How often the free pages inside malloc's heaps go back to the system (0: never).",
-    )
+    """Require 'Authorization: Bearer TOKEN' on /encode, /send and pulls (/health and /metrics stay
+    open). On a command line it shows in `ps`: prefer TRIO_ENCODE_TOKEN or token_file."""
+    token_file: Path | None = server_setting(None)
+    """Read the token from this file (its first line), so it appears neither on the command line nor
+    in the environment; not with token."""
+    log_level: LogLevel = logging_setting("INFO")
+    """Least severe log lines shown."""
+    log_format: LogFormat = logging_setting("kv")
+    """key=value lines for people, JSON lines for log shippers."""
+    access_log: bool = logging_setting(True)
+    """Log one line per HTTP request (method, path, status, duration, bytes, req_id)."""
+    malloc_arenas: int | None = server_setting(2, ge=1)
+    """glibc malloc arenas for the server process (none: glibc's default, 8 per core, under which
+    RSS climbs far above the memory actually held)."""
+    heap_trim_seconds: float = server_setting(1.0, ge=0)
+    """How often the free pages inside malloc's heaps go back to the system (0: never)."""
     service: ServiceSettings = Field(default_factory=ServiceSettings)
     engine: MooncakeSettings = Field(default_factory=MooncakeSettings)
     encoder: EncoderSettings = Field(default_factory=EncoderSettings)
@@ -265,6 +238,13 @@ class Setting:
     @property
     def group(self) -> Group:
         return cast(Group, _extra(self.info)["group"])
+
+    @property
+    def help(self) -> str:
+        """Its field's docstring on one line (as ``--help`` and the docs show it)."""
+        if not self.info.description:
+            raise TypeError(f"setting {self.name!r} has no docstring: it is its help")
+        return " ".join(self.info.description.split())
 
     @property
     def aliases(self) -> tuple[str, ...]:

@@ -12,10 +12,10 @@ import re
 from pathlib import Path
 from typing import Annotated, Literal, Self
 
-from pydantic import AfterValidator, BeforeValidator, ConfigDict, model_validator
+from pydantic import AfterValidator, BeforeValidator, model_validator
 from pydantic.dataclasses import dataclass
 
-from trio_encode.declare import comma_separated, in_group
+from trio_encode.declare import SETTINGS, comma_separated, in_group
 from trio_encode.sizes import ByteSize, MiB
 
 DType = Literal["float32", "bfloat16", "float16"]
@@ -71,7 +71,7 @@ cache_setting = in_group("cache")
 server_setting = in_group("server")
 
 
-@dataclass(frozen=True, config=ConfigDict(extra="forbid"))
+@dataclass(frozen=True, config=SETTINGS)
 class EncoderSettings:
     """Model shape, batching, cache and input limits.
 
@@ -80,194 +80,113 @@ class EncoderSettings:
     """
 
     # The built-in model (refused when ``model`` is set: that directory's config decides).
-    image_size: int = model_setting(
-        224,
-        gt=0,
-        help="Built-in ViT: side in pixels every image is resized to; a multiple of patch_size.",
-    )
-    patch_size: int = model_setting(
-        16,
-        gt=0,
-        help="Built-in ViT: patch side; tokens per image = (image_size / patch_size)^2.",
-    )
-    width: int = model_setting(
-        384, gt=0, help="Built-in ViT: transformer width (a multiple of heads)."
-    )
-    depth: int = model_setting(6, gt=0, help="Built-in ViT: transformer layers.")
-    heads: int = model_setting(6, gt=0, help="Built-in ViT: attention heads.")
-    mlp_ratio: float = model_setting(
-        4.0, gt=0, help="Built-in ViT: MLP width as a multiple of width."
-    )
-    hidden_size: int = model_setting(
-        2048,
-        gt=0,
-        help="Built-in ViT: the language model's hidden size, the width of every embedding "
-        "row sent to prefill ranks (the projector's output). A model directory's config "
-        "gives its own.",
-    )
-    dtype: DType = model_setting(
-        "float32",
-        help="Dtype of the model and of the embeddings sent; bfloat16 or float16 halve the "
-        "bytes moved.",
-    )
-    device: Device = model_setting(
-        "cpu",
-        help="Where the forward runs: cpu or cuda:N. On CUDA the embeddings are copied into "
-        "the arena (pinned host memory) asynchronously, and the copy completes before any "
-        "send reads them.",
-    )
-    seed: int = model_setting(
-        0,
-        help="Built-in ViT: seed its random weights are drawn from (unless weights is given); "
-        "servers with the same seed produce the same embeddings.",
-    )
-    weights: Path | None = model_setting(
-        None,
-        help="Built-in ViT: a safetensors file of its weights (saved by "
-        "trio_encode.encoder.model.save_weights) instead of seeded random ones.",
-    )
+    image_size: int = model_setting(224, gt=0)
+    """Built-in ViT: side in pixels every image is resized to; a multiple of patch_size."""
+    patch_size: int = model_setting(16, gt=0)
+    """Built-in ViT: patch side; tokens per image = (image_size / patch_size)^2."""
+    width: int = model_setting(384, gt=0)
+    """Built-in ViT: transformer width (a multiple of heads)."""
+    depth: int = model_setting(6, gt=0)
+    """Built-in ViT: transformer layers."""
+    heads: int = model_setting(6, gt=0)
+    """Built-in ViT: attention heads."""
+    mlp_ratio: float = model_setting(4.0, gt=0)
+    """Built-in ViT: MLP width as a multiple of width."""
+    hidden_size: int = model_setting(2048, gt=0)
+    """Built-in ViT: the language model's hidden size, the width of every embedding row sent to
+    prefill ranks (the projector's output). A model directory's config gives its own."""
+    dtype: DType = model_setting("float32")
+    """Dtype of the model and of the embeddings sent; bfloat16 or float16 halve the bytes moved."""
+    device: Device = model_setting("cpu")
+    """Where the forward runs: cpu or cuda:N. On CUDA the embeddings are copied into the arena
+    (pinned host memory) asynchronously, and the copy completes before any send reads them."""
+    seed: int = model_setting(0)
+    """Built-in ViT: seed its random weights are drawn from (unless weights is given); servers with
+    the same seed produce the same embeddings."""
+    weights: Path | None = model_setting(None)
+    """Built-in ViT: a safetensors file of its weights (saved by
+    trio_encode.encoder.model.save_weights) instead of seeded random ones."""
 
     # A real model instead of the built-in one.
-    model: ExistingDir | None = model_setting(
-        None,
-        help="Serve a Hugging Face model from this local directory (config, safetensors, "
-        "processor files; nothing is downloaded) instead of the built-in ViT: a VLM's vision "
-        "tower and projector (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA 1.5, LLaVA-OneVision, "
-        "Gemma 3, InternVL), or a bare CLIP/SigLIP tower. Needs the 'hf' extra.",
-    )
-    feature_layer: int = model_setting(
-        -1,
-        help="With a CLIP/SigLIP tower as model: hidden layer whose states are returned (-1 "
-        "the last). A VLM's config names its own.",
-    )
+    model: ExistingDir | None = model_setting(None)
+    """Serve a Hugging Face model from this local directory (config, safetensors, processor files;
+    nothing is downloaded) instead of the built-in ViT: a VLM's vision tower and projector
+    (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA 1.5, LLaVA-OneVision, Gemma 3, InternVL), or a bare
+    CLIP/SigLIP tower. Needs the 'hf' extra."""
+    feature_layer: int = model_setting(-1)
+    """With a CLIP/SigLIP tower as model: hidden layer whose states are returned (-1 the last). A
+    VLM's config names its own."""
 
     # Batching.
-    max_batch_size: int = batching_setting(
-        8,
-        gt=0,
-        help="Images per forward pass, gathered across concurrent requests.",
-    )
-    max_batch_tokens: int | None = batching_setting(
-        None,
-        gt=0,
-        help="Image tokens per forward pass (the sum of its images' embedding rows); a "
-        "forward holds at least one image whatever its size. Default: only max_batch_size "
-        "bounds a forward.",
-    )
-    max_batch_wait: float = batching_setting(
-        0.005,
-        ge=0,
-        help="Seconds the oldest queued image may wait for others to fill its batch: latency "
-        "traded for throughput.",
-    )
-    queue_size: int = batching_setting(
-        64,
-        gt=0,
-        help="Images that may wait for (or be decoded for) a forward pass; more get 503, so a "
-        "burst is refused quickly instead of timing out. Also the most images per request "
-        "(checked before any is loaded).",
-    )
-    torch_threads: int | None = batching_setting(
-        None,
-        gt=0,
-        help="torch.set_num_threads for the forward pass (default: torch's own, one per core). "
-        "Lower it to leave cores to image decoding and the event loop.",
-    )
-    warmup: bool = batching_setting(
-        True,
-        help="Run one forward before reporting ready, so the first request pays no start-up cost.",
-    )
+    max_batch_size: int = batching_setting(8, gt=0)
+    """Images per forward pass, gathered across concurrent requests."""
+    max_batch_tokens: int | None = batching_setting(None, gt=0)
+    """Image tokens per forward pass (the sum of its images' embedding rows); a forward holds at
+    least one image whatever its size. Default: only max_batch_size bounds a forward."""
+    max_batch_wait: float = batching_setting(0.005, ge=0)
+    """Seconds the oldest queued image may wait for others to fill its batch: latency traded for
+    throughput."""
+    queue_size: int = batching_setting(64, gt=0)
+    """Images that may wait for (or be decoded for) a forward pass; more get 503, so a burst is
+    refused quickly instead of timing out. Also the most images per request (checked before any is
+    loaded)."""
+    torch_threads: int | None = batching_setting(None, gt=0)
+    """torch.set_num_threads for the forward pass (default: torch's own, one per core). Lower it to
+    leave cores to image decoding and the event loop."""
+    warmup: bool = batching_setting(True)
+    """Run one forward before reporting ready, so the first request pays no start-up cost."""
 
     # Cache.
-    cache_bytes: ByteSize = cache_setting(
-        256 * MiB,
-        ge=0,
-        help="Embeddings kept for repeated images (keyed by content); 0 disables the cache. "
-        "With an arena, the cache lives in it and this bounds the bytes it may keep.",
-    )
-    arena_bytes: ByteSize = cache_setting(
-        512 * MiB,
-        ge=0,
-        help="The registered arena embeddings are written into, registered once for the "
-        "process's life so sends register nothing; 0 turns it off (each request registers its "
-        "own embedding). Pages are touched only as segments are written; over RDMA the whole "
-        "arena is pinned.",
-    )
+    cache_bytes: ByteSize = cache_setting(256 * MiB, ge=0)
+    """Embeddings kept for repeated images (keyed by content); 0 disables the cache. With an arena,
+    the cache lives in it and this bounds the bytes it may keep."""
+    arena_bytes: ByteSize = cache_setting(512 * MiB, ge=0)
+    """The registered arena embeddings are written into, registered once for the process's life so
+    sends register nothing; 0 turns it off (each request registers its own embedding). Pages are
+    touched only as segments are written; over RDMA the whole arena is pinned."""
 
     # The cluster-wide second level (Mooncake Store).
-    store_master: MasterAddress | None = cache_setting(
-        None,
-        help="HOST:PORT of a mooncake_master (or etcd://HOST:PORT;... for masters in HA mode): "
-        "share embeddings with every encoder of the cluster through Mooncake Store, looked up "
-        "after this server's own cache; a slow or failed store only costs a local forward.",
-    )
-    store_segment_bytes: ByteSize = cache_setting(
-        512 * MiB, gt=0, help="With store_master: memory lent to the store."
-    )
-    store_buffer_bytes: ByteSize = cache_setting(
-        64 * MiB,
-        gt=0,
-        help="With store_master: the store client's local transfer buffer.",
-    )
-    store_wait: float = cache_setting(
-        0.2,
-        gt=0,
-        help="With store_master: seconds a request waits for a store lookup before it runs the "
-        "forward itself.",
-    )
+    store_master: MasterAddress | None = cache_setting(None)
+    """HOST:PORT of a mooncake_master (or etcd://HOST:PORT;... for masters in HA mode): share
+    embeddings with every encoder of the cluster through Mooncake Store, looked up after this
+    server's own cache; a slow or failed store only costs a local forward."""
+    store_segment_bytes: ByteSize = cache_setting(512 * MiB, gt=0)
+    """With store_master: memory lent to the store."""
+    store_buffer_bytes: ByteSize = cache_setting(64 * MiB, gt=0)
+    """With store_master: the store client's local transfer buffer."""
+    store_wait: float = cache_setting(0.2, gt=0)
+    """With store_master: seconds a request waits for a store lookup before it runs the forward
+    itself."""
 
     # Input limits.
-    max_image_bytes: ByteSize = server_setting(
-        20 * MiB, gt=0, help="Encoded size of one image; larger ones get 400."
-    )
-    max_image_pixels: int = server_setting(
-        40_000_000,
-        gt=0,
-        help="Width x height of one image, checked before decoding (decompression bombs); "
-        "larger ones get 400.",
-    )
-    max_request_bytes: ByteSize = server_setting(
-        64 * MiB,
-        gt=0,
-        help="Encoded bytes of all of one request's images together (inline, files and "
-        "fetches), counted as they are loaded: the rest is never read or fetched.",
-    )
-    max_request_pixels: int = server_setting(
-        100_000_000,
-        gt=0,
-        help="Width x height of all of one request's images together, read from their headers "
-        "before any is decoded, so one request cannot hold the decode threads for long.",
-    )
-    media_dir: ExistingDir | None = server_setting(
-        None,
-        help="Also accept mm_items that are paths of image files inside this directory (and "
-        "nowhere else).",
-    )
+    max_image_bytes: ByteSize = server_setting(20 * MiB, gt=0)
+    """Encoded size of one image; larger ones get 400."""
+    max_image_pixels: int = server_setting(40_000_000, gt=0)
+    """Width x height of one image, checked before decoding (decompression bombs); larger ones get
+    400."""
+    max_request_bytes: ByteSize = server_setting(64 * MiB, gt=0)
+    """Encoded bytes of all of one request's images together (inline, files and fetches), counted as
+    they are loaded: the rest is never read or fetched."""
+    max_request_pixels: int = server_setting(100_000_000, gt=0)
+    """Width x height of all of one request's images together, read from their headers before any is
+    decoded, so one request cannot hold the decode threads for long."""
+    media_dir: ExistingDir | None = server_setting(None)
+    """Also accept mm_items that are paths of image files inside this directory (and nowhere
+    else)."""
 
     # Remote images (``http(s)://`` items), fetched under these rules; see encoder/fetch.py.
-    remote_fetch: bool = server_setting(
-        False,
-        help="Fetch http(s):// items in mm_items; off by default, so clients cannot make the "
-        "server connect anywhere.",
-    )
-    remote_hosts: Names = server_setting(
-        (),
-        help="With remote_fetch: when set, the only host names that may be fetched "
-        "(comma-separated).",
-    )
-    remote_private_networks: Networks = server_setting(
-        (),
-        help="With remote_fetch: CIDR networks outside the public internet (private, loopback, "
-        "link-local) that fetches may still reach; every other non-public address is refused.",
-    )
-    remote_timeout: float = server_setting(
-        10.0, gt=0, help="Seconds one item's fetch may take, redirects included."
-    )
-    remote_max_redirects: int = server_setting(
-        3,
-        ge=0,
-        help="Redirects one fetch may follow (each hop is checked like the first URL).",
-    )
+    remote_fetch: bool = server_setting(False)
+    """Fetch http(s):// items in mm_items; off by default, so clients cannot make the server connect
+    anywhere."""
+    remote_hosts: Names = server_setting(())
+    """With remote_fetch: when set, the only host names that may be fetched (comma-separated)."""
+    remote_private_networks: Networks = server_setting(())
+    """With remote_fetch: CIDR networks outside the public internet (private, loopback, link-local)
+    that fetches may still reach; every other non-public address is refused."""
+    remote_timeout: float = server_setting(10.0, gt=0)
+    """Seconds one item's fetch may take, redirects included."""
+    remote_max_redirects: int = server_setting(3, ge=0)
+    """Redirects one fetch may follow (each hop is checked like the first URL)."""
 
     @model_validator(mode="after")
     def _flags_apply(self) -> Self:

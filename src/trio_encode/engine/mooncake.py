@@ -31,10 +31,10 @@ from functools import partial
 from typing import Annotated, Any, Literal, TypeVar
 
 import trio
-from pydantic import AfterValidator, ConfigDict
+from pydantic import AfterValidator
 from pydantic.dataclasses import dataclass as settings_dataclass
 
-from trio_encode.declare import in_group
+from trio_encode.declare import SETTINGS, in_group
 from trio_encode.engine.base import TRANSFER_FAILED, EngineError, engine_code_meaning
 from trio_encode.engine.threads import EngineThreads, ThreadSettings, run_in_thread
 
@@ -235,7 +235,7 @@ def default_progress_timeout(send_timeout: float) -> int:
 engine_setting = in_group("engine")
 
 
-@settings_dataclass(frozen=True, config=ConfigDict(extra="forbid"))
+@settings_dataclass(frozen=True, config=SETTINGS)
 class MooncakeSettings:
     """Arguments of Mooncake's ``initialize``, and its log level; the defaults suit TCP on
     loopback with no metadata server (peers exchange descriptors directly, ``P2PHANDSHAKE``).
@@ -243,71 +243,41 @@ class MooncakeSettings:
     As flags, variables and config keys these are named ``engine_<field>``.
     """
 
-    protocol: Literal["tcp", "rdma"] = engine_setting(
-        "tcp", help="Mooncake transport: tcp, or rdma where the NICs support it."
-    )
-    metadata_server: str = engine_setting(
-        P2P_HANDSHAKE,
-        help="Mooncake metadata server: P2PHANDSHAKE needs none (peers exchange descriptors, "
-        "and a new receiver is probed first, see first_contact_timeout), or the URL of one, "
-        "e.g. http://HOST:PORT/metadata for mooncake_http_metadata_server (receivers must use "
-        "the same).",
-    )
-    first_contact_timeout: float = engine_setting(
-        2.0,
-        gt=0,
-        help="With P2PHANDSHAKE, seconds a receiver never sent to before may take to answer a "
-        "probe before its first transfer; one that does not (a paused process) fails that "
-        "send, instead of stalling every transfer of the engine for ~60 s in Mooncake's "
-        "handshake.",
-    )
-    device: str = engine_setting(
-        "",
-        help="RDMA device names for Mooncake (empty: let it choose; unused over tcp).",
-    )
-    hostname: str = engine_setting(
-        "127.0.0.1",
-        help="Address receivers reach this server's transfer engine at (its session_id host).",
-    )
-    log_level: EngineLogLevel = engine_setting(
-        "ERROR",
-        help="Least severe of Mooncake's own log lines shown (TRACE, INFO, WARNING, ERROR); "
-        "exported as MC_LOG_LEVEL, replacing any value there, before Mooncake first loads in "
-        "the process.",
-    )
-    progress_timeout: int | None = engine_setting(
-        None,
-        ge=1,
-        help="Seconds a TCP transfer may make no progress before Mooncake fails it "
-        "(exported as MC_TCP_PROGRESS_TIMEOUT_SEC): the bound on how long the memory of a "
-        "transfer this server stopped waiting for stays quarantined. Default: send_timeout "
-        "minus 5 (at least 1); it must be below send_timeout.",
-    )
-    transfer_threads: int = engine_setting(
-        ThreadSettings.transfer_threads,
-        ge=1,
-        help="Worker threads for transfers across all receivers.",
-    )
-    control_threads: int = engine_setting(
-        ThreadSettings.control_threads,
-        ge=1,
-        help="Worker threads for register and deregister calls, kept apart so that releasing "
-        "memory never waits behind transfers.",
-    )
-    sends_per_session: int = engine_setting(
-        ThreadSettings.sends_per_session,
-        ge=1,
-        help="Transfers in flight to any one receiver engine: a rank that stops answering holds "
-        "at most this many threads until Mooncake's own timeout fails them.",
-    )
+    protocol: Literal["tcp", "rdma"] = engine_setting("tcp")
+    """Mooncake transport: tcp, or rdma where the NICs support it."""
+    metadata_server: str = engine_setting(P2P_HANDSHAKE)
+    """Mooncake metadata server: P2PHANDSHAKE needs none (peers exchange descriptors, and a new
+    receiver is probed first, see first_contact_timeout), or the URL of one, e.g.
+    http://HOST:PORT/metadata for mooncake_http_metadata_server (receivers must use the same)."""
+    first_contact_timeout: float = engine_setting(2.0, gt=0)
+    """With P2PHANDSHAKE, seconds a receiver never sent to before may take to answer a probe before
+    its first transfer; one that does not (a paused process) fails that send, instead of stalling
+    every transfer of the engine for ~60 s in Mooncake's handshake."""
+    device: str = engine_setting("")
+    """RDMA device names for Mooncake (empty: let it choose; unused over tcp)."""
+    hostname: str = engine_setting("127.0.0.1")
+    """Address receivers reach this server's transfer engine at (its session_id host)."""
+    log_level: EngineLogLevel = engine_setting("ERROR")
+    """Least severe of Mooncake's own log lines shown (TRACE, INFO, WARNING, ERROR); exported as
+    MC_LOG_LEVEL, replacing any value there, before Mooncake first loads in the process."""
+    progress_timeout: int | None = engine_setting(None, ge=1)
+    """Seconds a TCP transfer may make no progress before Mooncake fails it (exported as
+    MC_TCP_PROGRESS_TIMEOUT_SEC): the bound on how long the memory of a transfer this server stopped
+    waiting for stays quarantined. Default: send_timeout minus 5 (at least 1); it must be below
+    send_timeout."""
+    transfer_threads: int = engine_setting(ThreadSettings.transfer_threads, ge=1)
+    """Worker threads for transfers across all receivers."""
+    control_threads: int = engine_setting(ThreadSettings.control_threads, ge=1)
+    """Worker threads for register and deregister calls, kept apart so that releasing memory never
+    waits behind transfers."""
+    sends_per_session: int = engine_setting(ThreadSettings.sends_per_session, ge=1)
+    """Transfers in flight to any one receiver engine: a rank that stops answering holds at most
+    this many threads until Mooncake's own timeout fails them."""
 
-    sends_per_host: int = engine_setting(
-        ThreadSettings.sends_per_host,
-        ge=1,
-        help="Transfers in flight to all receiver engines on one host: a node whose ranks all "
-        "stop answering (a frozen TP node) holds at most this many threads, and leaves the "
-        "rest to other nodes.",
-    )
+    sends_per_host: int = engine_setting(ThreadSettings.sends_per_host, ge=1)
+    """Transfers in flight to all receiver engines on one host: a node whose ranks all stop
+    answering (a frozen TP node) holds at most this many threads, and leaves the rest to other
+    nodes."""
 
     @property
     def threads(self) -> ThreadSettings:

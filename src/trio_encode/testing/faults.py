@@ -20,10 +20,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any
 
-from pydantic import BeforeValidator, ConfigDict
+from pydantic import BeforeValidator
 from pydantic.dataclasses import dataclass as settings_dataclass
 
-from trio_encode.declare import in_group
+from trio_encode.declare import SETTINGS, in_group
 from trio_encode.engine.base import (
     INVALID_ADDRESS,
     TRANSFER_FAILED,
@@ -190,23 +190,19 @@ engine_setting = in_group("engine")
 model_setting = in_group("model")
 
 
-@settings_dataclass(frozen=True, config=ConfigDict(extra="forbid"))
+@settings_dataclass(frozen=True, config=SETTINGS)
 class DrillSettings:
     """What a drill adds to ``trio-encode serve``: engine faults, never in production."""
 
-    engine_faults: EngineFaults | None = engine_setting(
-        None,
-        help="Drills only: fail a fraction of transfer-engine calls with Mooncake's own codes, "
-        "e.g. 'register=0.01,transfer=0.02,deregister=0.001,seed=7' (or one rate for all). "
-        "Off by default; never in production.",
-    )
+    engine_faults: EngineFaults | None = engine_setting(None)
+    """Drills only: fail a fraction of transfer-engine calls with Mooncake's own codes, e.g.
+    'register=0.01,transfer=0.02,deregister=0.001,seed=7' (or one rate for all). Off by default;
+    never in production."""
 
-    stamp_embeddings: bool = model_setting(
-        False,
-        help="Drills only: an image tagged with an identity (the soak's) gets an embedding "
-        "whose every 8-byte word names that identity and its own index, so a receiver can "
-        "tell whose bytes it holds. Off by default; never in production.",
-    )
+    stamp_embeddings: bool = model_setting(False)
+    """Drills only: an image tagged with an identity (the soak's) gets an embedding whose every
+    8-byte word names that identity and its own index, so a receiver can tell whose bytes it holds.
+    Off by default; never in production."""
 
     def wrap_model(self, model: VisionModel) -> VisionModel:
         """``model``, stamping tagged images' embeddings when asked to."""

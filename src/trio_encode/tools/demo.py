@@ -19,13 +19,12 @@ from functools import partial
 
 import torch
 import trio
-from pydantic import ConfigDict
 from pydantic.dataclasses import dataclass as settings_dataclass
 from rich.console import Console
 from rich.table import Table
 
 from trio_encode.client import EncodeClient, EncodeResult, LandingPool, LandingSlot, metric_value
-from trio_encode.declare import in_group
+from trio_encode.declare import SETTINGS, in_group
 from trio_encode.embedding import TORCH_DTYPES
 from trio_encode.encoder import ImageEncoder, load_item
 from trio_encode.errors import RequestError
@@ -38,19 +37,21 @@ from trio_encode.tools.progress import Steps
 demo_setting = in_group("demo")
 
 
-@settings_dataclass(frozen=True, config=ConfigDict(extra="forbid"))
+@settings_dataclass(frozen=True, config=SETTINGS)
 class DemoSettings:
     """The demo's own knobs (the model and engine are the server's settings)."""
 
-    requests: int = demo_setting(8, gt=0, help="Requests to run.")
-    images: int = demo_setting(2, gt=0, help="Images per request.")
-    tp: int = demo_setting(4, gt=0, help="Receiving prefill ranks.")
-    log_level: LogLevel = demo_setting(
-        "WARNING",
-        help="Least severe of the server's log lines shown (the progress display and the "
-        "final table are the demo's own output).",
-    )
-    progress: bool = demo_setting(True, help="Show progress on stderr while the demo runs.")
+    requests: int = demo_setting(8, gt=0)
+    """Requests to run."""
+    images: int = demo_setting(2, gt=0)
+    """Images per request."""
+    tp: int = demo_setting(4, gt=0)
+    """Receiving prefill ranks."""
+    log_level: LogLevel = demo_setting("WARNING")
+    """Least severe of the server's log lines shown (the progress display and the final table are
+    the demo's own output)."""
+    progress: bool = demo_setting(True)
+    """Show progress on stderr while the demo runs."""
 
 
 @dataclass

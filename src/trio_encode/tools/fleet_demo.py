@@ -31,7 +31,7 @@ from pathlib import Path
 
 import httpx
 import trio
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 from pydantic.dataclasses import dataclass as settings_dataclass
 
 from trio_encode.client import (
@@ -42,7 +42,7 @@ from trio_encode.client import (
     metric_value,
 )
 from trio_encode.client.fleet import RouteBy
-from trio_encode.declare import in_group
+from trio_encode.declare import SETTINGS, in_group
 from trio_encode.encoder import EncoderSettings
 from trio_encode.engine.mooncake import MooncakeEngine, MooncakeSettings
 from trio_encode.errors import RequestError
@@ -59,31 +59,30 @@ _STORE_SEGMENT_BYTES = 256 << 20  # each encoder's share of the store
 fleet_setting = in_group("fleet")
 
 
-@settings_dataclass(frozen=True, config=ConfigDict(extra="forbid"))
+@settings_dataclass(frozen=True, config=SETTINGS)
 class FleetDemoConfig:
     """The fleet's size and workload (flags of ``trio-encode fleet``), and what its encoders
     are started with."""
 
-    encoders: int = fleet_setting(3, gt=0, help="Encode servers.")
-    ranks: int = fleet_setting(4, gt=0, help="TP prefill ranks.")
-    requests: int = fleet_setting(48, gt=0, help="Requests to run.")
-    distinct: int = fleet_setting(
-        12,
-        gt=0,
-        help="Distinct images the requests draw from (each is asked for repeatedly).",
-    )
-    concurrency: int = fleet_setting(4, gt=0, help="Requests in flight at once.")
-    kill: bool = fleet_setting(True, help="Kill one encoder once half of the requests are done.")
-    store: bool = fleet_setting(
-        True,
-        help="Start a mooncake_master and share embeddings through Mooncake Store.",
-    )
-    progress: bool = fleet_setting(True, help="Show progress on stderr while it runs.")
-    route_by: RouteBy = fleet_setting(
-        "content",
-        help="content: the images pick the encoder; request: the req_id does (no affinity, "
-        "for comparison).",
-    )
+    encoders: int = fleet_setting(3, gt=0)
+    """Encode servers."""
+    ranks: int = fleet_setting(4, gt=0)
+    """TP prefill ranks."""
+    requests: int = fleet_setting(48, gt=0)
+    """Requests to run."""
+    distinct: int = fleet_setting(12, gt=0)
+    """Distinct images the requests draw from (each is asked for repeatedly)."""
+    concurrency: int = fleet_setting(4, gt=0)
+    """Requests in flight at once."""
+    kill: bool = fleet_setting(True)
+    """Kill one encoder once half of the requests are done."""
+    store: bool = fleet_setting(True)
+    """Start a mooncake_master and share embeddings through Mooncake Store."""
+    progress: bool = fleet_setting(True)
+    """Show progress on stderr while it runs."""
+    route_by: RouteBy = fleet_setting("content")
+    """content: the images pick the encoder; request: the req_id does (no affinity, for
+    comparison)."""
     encoder: EncoderSettings = Field(default_factory=lambda: EncoderSettings(torch_threads=1))
     """The model every encoder runs (one torch thread each: they share the machine)."""
     send_timeout: float = 10.0

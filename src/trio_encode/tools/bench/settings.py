@@ -9,10 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BeforeValidator, ConfigDict, Field
+from pydantic import BeforeValidator, Field
 from pydantic.dataclasses import dataclass
 
-from trio_encode.declare import comma_separated, in_group
+from trio_encode.declare import SETTINGS, comma_separated, in_group
 from trio_encode.encoder.settings import EncoderSettings
 from trio_encode.engine.mooncake import MooncakeSettings
 from trio_encode.sizes import ByteSize
@@ -37,7 +37,7 @@ Counts = Annotated[
 bench_setting = in_group("bench")
 
 
-@dataclass(frozen=True, config=ConfigDict(extra="forbid"))
+@dataclass(frozen=True, config=SETTINGS)
 class BenchConfig:
     """The measured rows; the defaults take about 5 minutes on 2 CPU cores."""
 
@@ -45,69 +45,43 @@ class BenchConfig:
     """The model and batching of the encoder rows (``max_batch_size`` is the B of both
     sides). The transfer rows use a stand-in model whose output has each exact size."""
     engine: MooncakeSettings = Field(default_factory=MooncakeSettings)
-    sizes: Sizes = bench_setting(
-        (400_000, 1_600_000, 6_400_000, 25_600_000),
-        help="Embedding sizes of the /send rows, comma-separated, with units (e.g. "
-        "0.4MB,1.6MB); rounded to whole 2048-float rows.",
-    )
-    tps: Counts = bench_setting(
-        (1, 2, 4, 8),
-        help="Receiving ranks of the /send rows, each with its own engine; every rank sends "
-        "every req_id in turn.",
-    )
-    arena: ArenaMode = bench_setting(
-        "both",
-        help="Served /send rows with the registered arena, without it, or both.",
-    )
-    peer: bool = bench_setting(
-        True,
-        help="Also time the asyncio peer (needs the bench extra: FastAPI and uvicorn).",
-    )
-    transfer_requests: int = bench_setting(
-        32, gt=0, help="req_ids per round, size and TP; every rank sends each."
-    )
-    encoder_rows: bool = bench_setting(
-        True, help="Also measure /encode against the model's forward."
-    )
-    vlm: bool = bench_setting(
-        False,
-        help="Only the encoder rows, on a small Qwen2.5-VL-shaped model with random weights "
-        "(built into a temporary directory, nothing downloaded) and images of four sizes and "
-        "aspect ratios; the row adds tokens/s. Needs the hf extra.",
-    )
-    concurrency: int = bench_setting(
-        16,
-        gt=0,
-        help="HTTP clients calling /encode then /send in a loop, each with its own images.",
-    )
-    served_seconds: float = bench_setting(
-        60.0, gt=0, help="Measured /encode time, over all rounds."
-    )
-    raw_seconds: float = bench_setting(
-        15.0, gt=0, help="Measured raw forward time, over all rounds."
-    )
-    settle_seconds: float = bench_setting(
-        1.0,
-        ge=0,
-        help="Per served encoder round, time the clients get to fill the pipeline first.",
-    )
-    rounds: int = bench_setting(
-        3,
-        gt=0,
-        help="Raw and served phases alternate this many times and are pooled.",
-    )
-    probe_interval: float = bench_setting(0.05, gt=0, help="Seconds between two /health probes.")
-    load_nice: int = bench_setting(
-        0,
-        ge=0,
-        le=19,
-        help="Niceness added to the process running the clients and ranks (0 measured faster "
-        "than 10 on 2 cores).",
-    )
-    plots: Path | None = bench_setting(
-        None, help="Write PNG plots of the /send ratios into this directory."
-    )
-    progress: bool = bench_setting(True, help="Report each phase on stderr.")
+    sizes: Sizes = bench_setting((400_000, 1_600_000, 6_400_000, 25_600_000))
+    """Embedding sizes of the /send rows, comma-separated, with units (e.g. 0.4MB,1.6MB); rounded to
+    whole 2048-float rows."""
+    tps: Counts = bench_setting((1, 2, 4, 8))
+    """Receiving ranks of the /send rows, each with its own engine; every rank sends every req_id in
+    turn."""
+    arena: ArenaMode = bench_setting("both")
+    """Served /send rows with the registered arena, without it, or both."""
+    peer: bool = bench_setting(True)
+    """Also time the asyncio peer (needs the bench extra: FastAPI and uvicorn)."""
+    transfer_requests: int = bench_setting(32, gt=0)
+    """req_ids per round, size and TP; every rank sends each."""
+    encoder_rows: bool = bench_setting(True)
+    """Also measure /encode against the model's forward."""
+    vlm: bool = bench_setting(False)
+    """Only the encoder rows, on a small Qwen2.5-VL-shaped model with random weights (built into a
+    temporary directory, nothing downloaded) and images of four sizes and aspect ratios; the row
+    adds tokens/s. Needs the hf extra."""
+    concurrency: int = bench_setting(16, gt=0)
+    """HTTP clients calling /encode then /send in a loop, each with its own images."""
+    served_seconds: float = bench_setting(60.0, gt=0)
+    """Measured /encode time, over all rounds."""
+    raw_seconds: float = bench_setting(15.0, gt=0)
+    """Measured raw forward time, over all rounds."""
+    settle_seconds: float = bench_setting(1.0, ge=0)
+    """Per served encoder round, time the clients get to fill the pipeline first."""
+    rounds: int = bench_setting(3, gt=0)
+    """Raw and served phases alternate this many times and are pooled."""
+    probe_interval: float = bench_setting(0.05, gt=0)
+    """Seconds between two /health probes."""
+    load_nice: int = bench_setting(0, ge=0, le=19)
+    """Niceness added to the process running the clients and ranks (0 measured faster than 10 on 2
+    cores)."""
+    plots: Path | None = bench_setting(None)
+    """Write PNG plots of the /send ratios into this directory."""
+    progress: bool = bench_setting(True)
+    """Report each phase on stderr."""
 
     @property
     def arena_modes(self) -> tuple[bool, ...]:

@@ -44,11 +44,11 @@ from typing import Annotated, Any
 
 import httpx
 import trio
-from pydantic import BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import BeforeValidator, Field, model_validator
 from pydantic.dataclasses import dataclass as settings_dataclass
 
 from trio_encode.client import metric_value
-from trio_encode.declare import in_group
+from trio_encode.declare import SETTINGS, in_group
 from trio_encode.encoder import EncoderSettings
 from trio_encode.settings import (
     ServerSettings,
@@ -82,58 +82,40 @@ OptionalFaults = Annotated[EngineFaults | None, BeforeValidator(_none_when_empty
 soak_setting = in_group("soak")
 
 
-@settings_dataclass(frozen=True, config=ConfigDict(extra="forbid"))
+@settings_dataclass(frozen=True, config=SETTINGS)
 class SoakConfig:
     """What to run; the defaults are the full soak (several minutes on 2 cores). The fields
     declared with ``setting`` are flags of ``trio-encode soak``."""
 
-    requests: int = soak_setting(5000, gt=0, help="Requests to run.")
-    tp: int = soak_setting(4, gt=0, help="Receiving prefill ranks.")
-    images: int = soak_setting(
-        200,
-        ge=2,
-        help="Recent images a request may repeat (so the embedding cache both hits and "
-        "evicts), and photos a new image is drawn from.",
-    )
-    concurrency: int = soak_setting(12, gt=0, help="Requests in flight at once.")
-    warmup: int = soak_setting(
-        500,
-        ge=0,
-        help="Requests before client faults start and the RSS level is taken (at most all "
-        "but one).",
-    )
-    send_timeout: float = soak_setting(
-        10.0,
-        flags=("--soak-send-timeout",),
-        help="The server's --send-timeout during the soak.",
-    )
+    requests: int = soak_setting(5000, gt=0)
+    """Requests to run."""
+    tp: int = soak_setting(4, gt=0)
+    """Receiving prefill ranks."""
+    images: int = soak_setting(200, ge=2)
+    """Recent images a request may repeat (so the embedding cache both hits and evicts), and photos
+    a new image is drawn from."""
+    concurrency: int = soak_setting(12, gt=0)
+    """Requests in flight at once."""
+    warmup: int = soak_setting(500, ge=0)
+    """Requests before client faults start and the RSS level is taken (at most all but one)."""
+    send_timeout: float = soak_setting(10.0, flags=("--soak-send-timeout",))
+    """The server's --send-timeout during the soak."""
     engine_faults: OptionalFaults = soak_setting(
-        FaultPlan(register=0.005, transfer=0.005, seed=1),
-        flags=("--soak-engine-faults",),
-        help="The server's --engine-faults during the soak ('' for none).",
+        FaultPlan(register=0.005, transfer=0.005, seed=1), flags=("--soak-engine-faults",)
     )
-    vanish_rate: float = soak_setting(
-        0.01,
-        ge=0,
-        le=0.3,
-        help="Per rank and request, the chance of each way a client vanishes (mid-body, "
-        "after /encode, mid-/send).",
-    )
-    freeze_seconds: float = soak_setting(
-        8.0, ge=0, help="How long one rank is SIGSTOPped (0: never)."
-    )
-    kill: bool = soak_setting(True, help="SIGKILL one rank.")
-    first_contact_freeze: float = soak_setting(
-        8.0,
-        ge=0,
-        help="Seconds a new rank 0 stays SIGSTOPped from its start while its calls go on, so "
-        "the server's first contact with it meets a frozen peer (0: never).",
-    )
-    freeze_past_deadline: bool = soak_setting(
-        True,
-        help="SIGSTOP another rank mid-transfer until its requests' deadlines passed, then "
-        "resume it.",
-    )
+    """The server's --engine-faults during the soak ('' for none)."""
+    vanish_rate: float = soak_setting(0.01, ge=0, le=0.3)
+    """Per rank and request, the chance of each way a client vanishes (mid-body, after /encode,
+    mid-/send)."""
+    freeze_seconds: float = soak_setting(8.0, ge=0)
+    """How long one rank is SIGSTOPped (0: never)."""
+    kill: bool = soak_setting(True)
+    """SIGKILL one rank."""
+    first_contact_freeze: float = soak_setting(8.0, ge=0)
+    """Seconds a new rank 0 stays SIGSTOPped from its start while its calls go on, so the server's
+    first contact with it meets a frozen peer (0: never)."""
+    freeze_past_deadline: bool = soak_setting(True)
+    """SIGSTOP another rank mid-transfer until its requests' deadlines passed, then resume it."""
     two_image_share: float = Field(default=0.1, ge=0, le=1)
     """Share of requests with two images rather than one."""
     repeat_share: float = Field(default=0.75, ge=0, le=1)
