@@ -160,8 +160,9 @@ MUTANTS: dict[str, Mutant] = {
     "a withdrawn send still transfers (failure 11)": Mutant(
         # Once registered, a send counted as transferring while it waited for a thread.
         "scope.py",
-        "            if attempt.waiters == 0 and not attempt.done.is_set():",
-        "            if attempt.waiters == 0 and not attempt.done.is_set() and not self._leases:",
+        "            if attempt.waiters == 0 and not (attempt.done.is_set() or attempt.submitted",
+        "            if attempt.waiters == 0 and not self._leases and not (attempt.done.is_set()"
+        " or attempt.submitted",
         (
             FAULTS + "test_a_send_waiting_for_a_thread_is_withdrawn_when_its_client_leaves",
             FAULTS + "test_a_withdrawn_send_never_writes_after_its_retry_answered",
@@ -320,6 +321,22 @@ MUTANTS: dict[str, Mutant] = {
                 "            handed_over = True  # the arena leases of the rows that lie there",
                 "            handed_over = False  # the arena leases of the rows that lie there",
             ),
+        ),
+    ),
+    "a client that leaves withdraws a submitted send (failure 11)": Mutant(
+        # The engine stops waiting for a withdrawn transfer; its retry writes a second time.
+        "scope.py",
+        "not (attempt.done.is_set() or attempt.submitted.is_set()):",
+        "not attempt.done.is_set():",
+        (FAULTS + "test_a_submitted_send_is_not_withdrawn_by_a_client_that_leaves",),
+    ),
+    "memory held at shutdown is freed with the service (failure 19)": Mutant(
+        "ledger.py",
+        "            _KEPT_UNTIL_EXIT.extend(self._held)",
+        "            pass",
+        (
+            "tests/test_service_shutdown.py::"
+            "test_shutdown_waits_for_held_transfers_and_keeps_what_is_still_read",
         ),
     ),
     "one exception raised in every waiter of a send (failure 22)": Mutant(

@@ -37,6 +37,32 @@ from trio_encode.testing.memory_engine import InMemoryFabric
 NBYTES = 64 * 32 * 4
 
 
+async def test_a_submitted_send_is_not_withdrawn_by_a_client_that_leaves(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Once the engine has submitted a send (here into a rank that froze mid-transfer), a
+    client that goes away does not withdraw it: the engine keeps waiting, and the client's
+    retry joins it rather than starting a second transfer into the same buffer while the
+    first may still write there."""
+    async with lifecycle_rig(transfer_timeout=30.0, progress_timeout=60.0) as rig:
+        encode, _ = rig.encoder("r1", seed=2)
+        await rig.open("r1", encode, receive_count=1)
+        (a,) = await rig.landings(1)
+        scope = rig.registry.require_live("r1")
+        rig.fabric.freeze(a.engine.session_id)
+        with trio.move_on_after(1.0):  # the client leaves while its transfer hangs
+            await scope.send(a.receiver)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(scope.send, a.receiver)  # its retry
+            await trio.sleep(1.0)
+            rig.fabric.thaw(a.engine.session_id)
+        assert rig.sender.count("transfer") == 1, "a second transfer into the same buffer"
+        assert a.landed(NBYTES) == rig.expected["r1"]
+        await scope.wait_ended()
+        assert scope.end_reason == "completed"
+        await rig.assert_nothing_held()
+
+
 async def test_a_withdrawn_send_never_writes_after_its_retry_answered(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
@@ -343,7 +369,8 @@ async def test_a_frozen_rank_parks_only_its_own_sends(
     """A rank that stops answering holds at most ``sends_per_session`` transfer threads until
     Mooncake's timeout fails them; an unrelated request's transfer and release go on at once."""
     threads = ThreadSettings(transfer_threads=8, control_threads=2, sends_per_session=2)
-    async with lifecycle_rig(threads=threads) as rig:
+    # Six waves of the engine's 30-s wait: the requests' deadline lies beyond the last.
+    async with lifecycle_rig(threads=threads, send_timeout=300) as rig:
         frozen, healthy = await rig.landings(2)
         rig.fabric.freeze(frozen.engine.session_id)
         answers: list[object] = []

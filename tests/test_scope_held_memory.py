@@ -18,6 +18,7 @@ from support.arena_rig import SEGMENT, arena_rig, fill, opener
 from support.lifecycle_rig import lifecycle_rig
 from trio_encode.embedding import ArenaEmbedding
 from trio_encode.engine import EngineError
+from trio_encode.errors import RequestError
 
 WAIT = 5.0
 """The engine's wait for one transfer (the fabric's ``transfer_timeout``)."""
@@ -111,3 +112,48 @@ async def test_a_hold_that_never_ends_is_counted_and_never_released(
         await trio.testing.wait_all_tasks_blocked()
         assert rig.ledger.held == 0
         assert first[0].freed
+
+
+@pytest.mark.parametrize("end", ["deadline", "shutdown"])
+async def test_a_submitted_transfer_is_not_awaited_past_its_requests_end(
+    autojump_clock: trio.testing.MockClock, end: str
+) -> None:
+    """A send into a rank that froze mid-transfer answers at its request's deadline (or at a
+    shutdown), not after the engine's own, longer wait: the engine stops waiting, and the
+    segment the transfer may still read is held until it ends, never handed to another."""
+    long_wait = 3 * SEND_TIMEOUT  # Mooncake's MC_TRANSFER_TIMEOUT, longer than the deadline
+    async with arena_rig(
+        send_timeout=SEND_TIMEOUT, transfer_timeout=long_wait, progress_timeout=PROGRESS
+    ) as (rig, arena, _):
+        frozen = await rig.landing(SEGMENT, name="frozen")
+        first = fill(arena, 1)
+        own = bytes(first[0].buffer)
+        await rig.open("r1", opener(ArenaEmbedding([first])), receive_count=1)
+        scope = rig.registry.require_live("r1")
+        rig.fabric.freeze(frozen.engine.session_id)
+        async with trio.open_nursery() as nursery:
+            if end == "shutdown":
+
+                async def shut_down() -> None:
+                    await trio.sleep(2.0)
+                    scope.cancel()
+
+                nursery.start_soon(shut_down)
+            with pytest.raises(RequestError) as failed:
+                await scope.send(frozen.receiver)
+        ended_at = SEND_TIMEOUT if end == "deadline" else 2.0
+        assert trio.current_time() == pytest.approx(ended_at)
+        assert failed.value.status == (504 if end == "deadline" else 503)
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(rig.registry) == 0
+        assert rig.ledger.held == 1, "the segment went back while the transfer may read it"
+
+        second = fill(arena, 2)
+        assert second[0].offset != first[0].offset
+        rig.fabric.thaw(frozen.engine.session_id)
+        assert frozen.landed(SEGMENT) == own, "the frozen rank received another request's bytes"
+        await trio.testing.wait_all_tasks_blocked()
+        assert rig.ledger.held == 0
+        arena.release(second[0])
+        assert arena.leased_bytes == 0
+        assert rig.fabric.violations == []

@@ -75,3 +75,37 @@ async def test_a_paused_rank_receives_its_own_bytes_when_it_resumes_never_the_ne
                 await trio.sleep(0.05)
             assert first[0].freed
             nursery.cancel_scope.cancel()
+
+
+async def test_a_cancelled_caller_stops_waiting_for_a_paused_rank_and_its_memory_is_held(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A caller whose deadline comes while its transfer hangs in a paused rank gets its
+    cancellation within a poll's pause, not after Mooncake's own wait (5 s at least); the
+    source stays :meth:`reading` until Mooncake reports the transfer ended."""
+    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "1")  # the engine would wait 5 s (its floor)
+    with trio.fail_after(120):
+        async with open_receiver(SIZE, "paused") as rank:
+            engine = await MooncakeEngine.create(MooncakeSettings(progress_timeout=PROGRESS))
+            source = torch.full((SIZE,), 3, dtype=torch.uint8)
+            address = int(source.data_ptr())
+            await engine.register(address, SIZE)
+            await engine.transfer(rank.session_id, [(address, 4096)], rank.address)
+            rank.freeze()
+            submitted = trio.Event()
+            started = trio.current_time()
+            with trio.move_on_after(1.0) as deadline:
+                await engine.transfer(
+                    rank.session_id, [(address, SIZE)], rank.address, submitted=submitted
+                )
+            waited = trio.current_time() - started
+            assert deadline.cancelled_caught
+            assert submitted.is_set()
+            assert waited < 2.5, f"the caller waited {waited:.1f} s for a transfer it left"
+            assert engine.reading(address, SIZE)
+            rank.thaw()
+            await engine.settled(address, SIZE)
+            assert not engine.reading(address, SIZE)
+            own = xxhash.xxh3_64_intdigest(source.numpy().data)
+            assert await rank.check(0, SIZE, [own], SIZE) == [True]
+            await engine.deregister(address)

@@ -45,10 +45,15 @@ class CountingEngine:
         await self.engine.deregister(address)
 
     async def transfer(
-        self, session_id: str, segments: Sequence[tuple[int, int]], remote_address: int
+        self,
+        session_id: str,
+        segments: Sequence[tuple[int, int]],
+        remote_address: int,
+        *,
+        submitted: trio.Event | None = None,
     ) -> None:
         self.calls["transfer"] += 1
-        await self.engine.transfer(session_id, segments, remote_address)
+        await self.engine.transfer(session_id, segments, remote_address, submitted=submitted)
 
     def reading(self, address: int, length: int) -> bool:
         return self.engine.reading(address, length)

@@ -65,7 +65,10 @@ def serve(**options: Any) -> None:
     report = _run(serving, settings)
     click.echo(
         f"stopped: {report.finished} requests finished during shutdown, "
-        f"{report.cut_short} cut short",
+        f"{report.cut_short} cut short"
+        + (
+            f", {report.held_bytes} bytes held for Mooncake until exit" if report.held_bytes else ""
+        ),
         err=True,
     )
 

@@ -38,6 +38,10 @@ log = logging.getLogger(__name__)
 
 RegionState = Literal["registering", "live", "deregistering", "quarantined"]
 
+_KEPT_UNTIL_EXIT: list[object] = []
+"""Holds no transfer's end released before shutdown: their regions, owners and segments stay
+alive (and registered) until the process exits, whatever becomes of the ledger."""
+
 
 class PartialOverlap(Exception):
     """The range overlaps a region it cannot share: one that straddles it, or one that is
@@ -111,6 +115,7 @@ class RegistrationLedger:
         self._quarantine_changed = trio.Event()
         self._overdue_after = overdue_after
         self._held: list[_Held] = []
+        self._holds_changed = trio.Event()
         self._settling: trio.Nursery | None = None
 
     @property
@@ -259,6 +264,27 @@ class RegistrationLedger:
             self._settling.start_soon(self._settle, held)
         return True
 
+    async def wait_for_holds(self) -> None:
+        """Return once no lease is held for a transfer the engine stopped waiting for."""
+        while self._held:
+            await self._holds_changed.wait()
+
+    def keep_until_exit(self) -> int:
+        """At shutdown, after :meth:`wait_for_holds`: what is still held is logged and kept,
+        registered and allocated, until the process exits (never deregistered, never given
+        back: Mooncake may still read it). Returns the bytes kept."""
+        nbytes = self.held_bytes
+        if self._held:
+            log.error(
+                "%d bytes in %d holds still held at shutdown: transfers the engine stopped "
+                "waiting for have not ended; their memory stays registered and allocated until "
+                "the process exits",
+                nbytes,
+                len(self._held),
+            )
+            _KEPT_UNTIL_EXIT.extend(self._held)
+        return nbytes
+
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Retry quarantined deregistrations every ``quarantine_retry`` seconds while there are
         any, and release held leases once the transfers that may read them have ended; runs
@@ -293,6 +319,8 @@ class RegistrationLedger:
             for lease in held.leases:
                 await self._engine.settled(lease.address, lease.length)
         self._held.remove(held)
+        self._holds_changed.set()
+        self._holds_changed = trio.Event()
         log.info("%d held bytes released: the transfer reading them ended", held.nbytes)
         with trio.CancelScope(shield=True):
             try:

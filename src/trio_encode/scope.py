@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import trio
 
@@ -46,6 +47,8 @@ from trio_encode.request_types import (
 )
 
 log = logging.getLogger(__name__)
+
+E = TypeVar("E", bound=Exception)
 
 DEFAULT_RECEIVE_COUNT = 1
 """The count a send fixes when none is known yet and it names none itself."""
@@ -80,6 +83,10 @@ class _Attempt:
     # withdraws its send; once submitted it completes and counts. A withdrawn attempt never
     # transfers, even if the register call it was waiting on returns normally.
     withdraw: trio.CancelScope = field(default_factory=trio.CancelScope)
+    submitted: trio.Event = field(default_factory=trio.Event)
+    """Set by the engine the moment it is bound to submit: from then on a client that leaves
+    no longer withdraws it (it may already be writing), and only the request's end (its
+    deadline, a shutdown) stops the wait for it."""
     waiters: int = 0
     succeeded: bool = False
     receivers_done: int = 0
@@ -232,9 +239,9 @@ class RequestScope:
             await attempt.done.wait()
         finally:
             attempt.waiters -= 1
-            if attempt.waiters == 0 and not attempt.done.is_set():
-                # Nobody waits: withdraw it. If the engine has not submitted it, it never
-                # moves a byte; if it has, it completes and counts.
+            # Nobody waits, and the engine has not submitted it: withdraw it, it never moves
+            # a byte. (Submitted, it completes and counts, or ends with the request.)
+            if attempt.waiters == 0 and not (attempt.done.is_set() or attempt.submitted.is_set()):
                 attempt.withdraw.cancel()
         if attempt.error is not None:
             raise attempt.error.fresh()  # each waiter its own: see RequestError.fresh
@@ -344,7 +351,12 @@ class RequestScope:
                 receiver = attempt.receiver
                 nbytes = sum(length for _, length in segments)
                 # Withdrawable until the engine submits it: a cancelled call submits nothing.
-                await self._engine.transfer(receiver.session_id, segments, receiver.buffer_address)
+                await self._engine.transfer(
+                    receiver.session_id,
+                    segments,
+                    receiver.buffer_address,
+                    submitted=attempt.submitted,
+                )
                 transferred = True
             if not transferred:
                 return  # withdrawn while it waited for a thread or a slot: it never happened
@@ -359,9 +371,9 @@ class RequestScope:
             if exc.call == "transfer":  # the ledger counts its own register failures
                 self._observer.engine_error(exc.call, exc.code)
             log.error("send failed: %s", exc, extra={"req_id": self.req_id})
-            attempt.error = exc.fresh()  # not the raiser's frames
+            attempt.error = _bare(exc)
         except RequestError as exc:
-            attempt.error = exc.fresh()  # not the raiser's frames
+            attempt.error = _bare(exc)
         except Exception as exc:
             self._fail_unexpectedly(exc)
         finally:
@@ -479,3 +491,14 @@ class RequestScope:
         if reason == "shutdown" or reason is None:
             return ShuttingDown(req_id=self.req_id)
         return RequestReleased(f"the request has ended ({reason})", req_id=self.req_id)
+
+
+def _bare(error: E) -> E:
+    """``error`` without its traceback and chained exceptions, to be kept (each waiter raises
+    a fresh copy): their frames hold the embedding (and the attempt keeping the error, a
+    cycle), so memory the ledger has released would stay alive until the garbage collector
+    ran."""
+    error.__traceback__ = None
+    error.__context__ = None
+    error.__cause__ = None
+    return error

@@ -217,6 +217,9 @@ class ShutdownReport:
     """Scopes that ended by their own rules during the grace period."""
     cut_short: int
     """Scopes still live when the grace period ran out, and cancelled."""
+    held_bytes: int = 0
+    """Memory still held at exit for transfers the engine stopped waiting for and Mooncake had
+    not ended (kept registered and allocated until the process exits)."""
 
 
 class EncodeService:
@@ -628,11 +631,21 @@ class EncodeService:
                     await scope.wait_ended()
                 # Memory whose deregistration failed gets one more try before the engine goes.
                 await self.ledger.retry_quarantined()
+                # Transfers the scopes stopped waiting for end within the engine's progress
+                # timeout (below send_timeout): their memory is released then; what is still
+                # held after that is kept until the process exits.
+                with trio.move_on_after(self.settings.send_timeout):
+                    await self.ledger.wait_for_holds()
                 report = ShutdownReport(
-                    finished=len(live) - len(remaining), cut_short=len(remaining)
+                    finished=len(live) - len(remaining),
+                    cut_short=len(remaining),
+                    held_bytes=self.ledger.keep_until_exit(),
                 )
                 log.info(
-                    "shutdown: %d scopes finished, %d cut short", report.finished, report.cut_short
+                    "shutdown: %d scopes finished, %d cut short, %d bytes still held",
+                    report.finished,
+                    report.cut_short,
+                    report.held_bytes,
                 )
                 self.shutdown_report = report
                 self._shutdown_done.set()

@@ -54,7 +54,12 @@ class DelayedTransferEngine:
         await self.engine.deregister(address)
 
     async def transfer(
-        self, session_id: str, segments: Sequence[tuple[int, int]], remote_address: int
+        self,
+        session_id: str,
+        segments: Sequence[tuple[int, int]],
+        remote_address: int,
+        *,
+        submitted: trio.Event | None = None,
     ) -> None:
         def slow_write() -> int:
             time.sleep(self.delay)

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from dataclasses import KW_ONLY, dataclass, replace
 from typing import Literal, Protocol, runtime_checkable
 
+import trio
+
 # Mooncake's return codes that the rules below depend on (mooncake/transfer_engine error.h).
 TRANSFER_FAILED = -1
 INVALID_ADDRESS = -3
@@ -115,17 +117,24 @@ class TransferEngine(Protocol):
         ...
 
     async def transfer(
-        self, session_id: str, segments: Sequence[tuple[int, int]], remote_address: int
+        self,
+        session_id: str,
+        segments: Sequence[tuple[int, int]],
+        remote_address: int,
+        *,
+        submitted: trio.Event | None = None,
     ) -> None:
         """Write ``segments`` (local address, length) back to back into ``session_id``'s
         memory from ``remote_address`` on, as one call: every segment is in flight at once.
 
         Waiting for a thread (or a slot of ``session_id``'s bound) is cancellable, and a
-        caller cancelled then gets ``trio.Cancelled`` with nothing submitted; once a segment
-        is submitted the call is not cancellable, and returns when every segment has landed,
-        or raises :class:`EngineError` when one failed or the engine stopped waiting (its own
-        timeout). A transfer it stopped waiting for may still read local memory: it stays
-        :meth:`reading` until the engine reports it ended."""
+        caller cancelled then gets ``trio.Cancelled`` with nothing submitted. ``submitted`` is
+        set the moment the call is bound to submit (no checkpoint lies between). From then on
+        it returns when every segment has landed, or raises :class:`EngineError` when one
+        failed or the engine stopped waiting (its own timeout); a caller cancelled then (its
+        deadline, a shutdown) makes it stop waiting promptly and gets ``trio.Cancelled``,
+        unless every segment had ended by then. A transfer it stopped waiting for may still
+        read local memory: it stays :meth:`reading` until the engine reports it ended."""
         ...
 
     def reading(self, address: int, length: int) -> bool:

@@ -24,6 +24,7 @@ import logging
 import math
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -91,10 +92,12 @@ def wait_until_done(
     *,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
+    stop: threading.Event | None = None,
 ) -> tuple[int, list[C]]:
-    """In a worker thread: wait for submitted transfers until each has ended or ``timeout``
-    passed; ``(code, pending)``: 0 or the first failure's code (-1 when the wait timed out),
-    and the transfers that had not ended (empty unless it timed out).
+    """In a worker thread: wait for submitted transfers until each has ended, ``timeout``
+    passed or ``stop`` is set (the caller's deadline or a shutdown: within one pause);
+    ``(code, pending)``: 0 or the first failure's code (-1 when the wait timed out or
+    stopped), and the transfers that had not ended (empty unless it timed out or stopped).
 
     Each check returns Mooncake's ``transfer_check_status`` answer; only :data:`DONE` and
     :data:`FAILED` end a transfer (Mooncake then frees the batch, so an ended check is never
@@ -112,7 +115,7 @@ def wait_until_done(
         if not pending:
             return code, []
         waited = clock() - start
-        if waited > timeout:
+        if waited > timeout or (stop is not None and stop.is_set()):
             return code or TRANSFER_FAILED, pending
         sleep(pause)
         pause = min(_MAX_POLL, max(_FIRST_POLL, waited / 8))
@@ -141,17 +144,25 @@ class Batch:
 
 
 def write_segments(
-    raw: Any, session_id: str, segments: Sequence[tuple[int, int]], remote_address: int
+    raw: Any,
+    session_id: str,
+    segments: Sequence[tuple[int, int]],
+    remote_address: int,
+    stop: threading.Event | None = None,
 ) -> tuple[int, list[Batch]]:
     """In a worker thread: write ``segments`` (local address, length) one after another into
     ``remote_address`` onwards; ``(code, pending)`` as :func:`wait_until_done` answers, code
     the first failure's. Every segment is submitted before any is waited for, so they travel
     together; a refused submission ends the call: no later segment is submitted, and the
-    refused one (it has no batch) is never asked about."""
+    refused one (it has no batch) is never asked about. Once ``stop`` is set no further
+    segment is submitted and the wait ends."""
     batches: list[Batch] = []
     code = 0
     offset = 0
     for address, length in segments:
+        if stop is not None and stop.is_set():
+            code = TRANSFER_FAILED
+            break
         batch_id = int(
             raw.transfer_submit_write(session_id, address, remote_address + offset, length)
         )
@@ -161,7 +172,7 @@ def write_segments(
             break
         batches.append(Batch(raw, batch_id, address, length))
     # Wait for what was submitted even after a failure: it may still be reading our memory.
-    waited, pending = wait_until_done(batches, transfer_timeout(offset))
+    waited, pending = wait_until_done(batches, transfer_timeout(offset), stop=stop)
     return code or waited, pending
 
 
@@ -377,24 +388,34 @@ class MooncakeEngine:
             raise EngineError("deregister", int(code), address=address, session_id=self.session_id)
 
     async def transfer(
-        self, session_id: str, segments: Sequence[tuple[int, int]], remote_address: int
+        self,
+        session_id: str,
+        segments: Sequence[tuple[int, int]],
+        remote_address: int,
+        *,
+        submitted: trio.Event | None = None,
     ) -> None:
         """Write ``segments`` (local address, length), in order and back to back, into
         ``session_id``'s registered memory from ``remote_address`` on, and wait until every
         byte has landed. All are submitted before any is awaited, so a multi-image
         embedding needs no concatenation. Waits for a thread of the transfer pool and a slot
         of ``session_id``'s own bound first (see :mod:`trio_encode.engine.threads`); a caller
-        cancelled while waiting submits nothing.
+        cancelled while waiting submits nothing. ``submitted`` is set as the thread starts.
 
-        If the wait times out (``transfer_timeout``) while submissions still run, it raises,
-        and the source ranges stay :meth:`reading` until Mooncake reports every one ended."""
+        If the wait times out (``transfer_timeout``) while submissions still run, or the
+        caller is cancelled meanwhile (its deadline, a shutdown: the thread stops waiting
+        within a poll's pause, ~1 ms, and the caller gets ``trio.Cancelled``), the source
+        ranges stay :meth:`reading` until Mooncake reports every one ended."""
         segments = list(segments)
         if session_id not in self._contacted:
             await self._first_contact(session_id)
+        stop = threading.Event()
         async with self.threads.session_slot(session_id):
             code, pending = await run_in_thread(
-                partial(write_segments, self._raw, session_id, segments, remote_address),
+                partial(write_segments, self._raw, session_id, segments, remote_address, stop),
                 self.threads.transfers,
+                starting=None if submitted is None else submitted.set,
+                on_cancel=stop.set,
             )
         detail = f"from {self.session_id}" + (
             f", {len(segments)} segments" if len(segments) > 1 else ""
@@ -405,6 +426,8 @@ class MooncakeEngine:
                 f"; stopped waiting with {len(pending)} still in flight: their memory is "
                 "kept until Mooncake ends them"
             )
+        if stop.is_set() and (pending or code != 0):
+            await trio.lowlevel.checkpoint()  # the caller's cancellation, not an engine error
         if code != 0:
             raise EngineError(
                 "transfer",

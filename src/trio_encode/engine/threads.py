@@ -49,16 +49,27 @@ async def _acquire(limiter: trio.CapacityLimiter, borrower: object) -> None:
         await limiter.acquire_on_behalf_of(borrower)
 
 
-async def run_in_thread(fn: Callable[[], T], limiter: trio.CapacityLimiter) -> T:
+async def run_in_thread(
+    fn: Callable[[], T],
+    limiter: trio.CapacityLimiter,
+    *,
+    starting: Callable[[], None] | None = None,
+    on_cancel: Callable[[], None] | None = None,
+) -> T:
     """``fn()`` in a worker thread holding a token of ``limiter``; its result or exception.
 
     ``trio.to_thread.run_sync(fn, limiter=limiter, abandon_on_cancel=False)`` without the
     scheduler pass it makes before starting the thread. A caller cancelled before the thread
     starts leaves without running ``fn``; once it runs, the caller waits for it to finish
-    (never abandoned) and sees the cancellation at its next checkpoint.
+    (never abandoned) and sees the cancellation at its next checkpoint. ``starting`` is
+    called once the token is held, right before the thread starts (no checkpoint between);
+    ``on_cancel`` when the caller is cancelled while the thread runs (``fn`` may then stop
+    early; the caller still waits for it).
     """
     borrower = object()
     await _acquire(limiter, borrower)
+    if starting is not None:
+        starting()
     task = trio.lowlevel.current_task()
     token = trio.lowlevel.current_trio_token()
 
@@ -76,6 +87,8 @@ async def run_in_thread(fn: Callable[[], T], limiter: trio.CapacityLimiter) -> T
         raise
 
     def never_abandon(_: Any) -> trio.lowlevel.Abort:
+        if on_cancel is not None:
+            on_cancel()
         return trio.lowlevel.Abort.FAILED
 
     result: outcome.Outcome[T] = await trio.lowlevel.wait_task_rescheduled(never_abandon)

@@ -362,12 +362,17 @@ class _RecordingEngine:
         await self.engine.deregister(address)
 
     async def transfer(
-        self, session_id: str, segments: Sequence[tuple[int, int]], remote_address: int
+        self,
+        session_id: str,
+        segments: Sequence[tuple[int, int]],
+        remote_address: int,
+        *,
+        submitted: trio.Event | None = None,
     ) -> None:
         receiver = Receiver(session_id, remote_address)
         if await self._maybe_fail("transfer"):
             self.failed_transfers[receiver] += 1
-        await self.engine.transfer(session_id, segments, remote_address)
+        await self.engine.transfer(session_id, segments, remote_address, submitted=submitted)
         self._log.append(("wrote", receiver))
 
     def reading(self, address: int, length: int) -> bool:

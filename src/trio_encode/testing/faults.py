@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any
 
+import trio
 from pydantic import BeforeValidator
 from pydantic.dataclasses import dataclass as settings_dataclass
 
@@ -157,7 +158,12 @@ class FaultyEngine:
         await self.engine.deregister(address)
 
     async def transfer(
-        self, session_id: str, segments: Sequence[tuple[int, int]], remote_address: int
+        self,
+        session_id: str,
+        segments: Sequence[tuple[int, int]],
+        remote_address: int,
+        *,
+        submitted: trio.Event | None = None,
     ) -> None:
         if self._fails("transfer"):
             raise EngineError(
@@ -169,7 +175,7 @@ class FaultyEngine:
                 session_id=session_id,
                 detail=_INJECTED,
             )
-        await self.engine.transfer(session_id, segments, remote_address)
+        await self.engine.transfer(session_id, segments, remote_address, submitted=submitted)
 
     def reading(self, address: int, length: int) -> bool:
         return self.engine.reading(address, length)

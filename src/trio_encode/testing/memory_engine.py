@@ -330,38 +330,58 @@ class InMemoryEngine:
         self._finish(call, code)
 
     async def transfer(
-        self, session_id: str, segments: Sequence[tuple[int, int]], remote_address: int
+        self,
+        session_id: str,
+        segments: Sequence[tuple[int, int]],
+        remote_address: int,
+        *,
+        submitted: trio.Event | None = None,
     ) -> None:
         """Copy each of ``segments`` (local address, length), back to back, into engine
         ``session_id``'s memory from ``remote_address`` on: one recorded call per segment, in
         order, each copying at its end if both its ranges are still registered then.
 
-        Waiting for a thread and a slot of ``session_id``'s bound is cancellable; once the
-        first segment has started the rest run too, whatever happens to the caller (Mooncake
-        has them all submitted); the first failure is raised after the last has ended."""
+        Waiting for a thread and a slot of ``session_id``'s bound is cancellable; then
+        ``submitted`` is set, and the first segment starts and the rest run too, whatever
+        happens to the caller (Mooncake has them all submitted); the first failure is raised
+        after the last has ended. A caller cancelled while a segment hangs in a frozen peer
+        stops waiting for it (and for the rest, which hang too): each stays :meth:`reading`
+        until it lands or fails (``progress_timeout``), and the caller gets the
+        cancellation."""
         await trio.lowlevel.checkpoint_if_cancelled()
         failure: EngineError | None = None
+        stopped: trio.Cancelled | None = None
         async with (
             self._scripted("transfer") as first,
             self.threads.session_slot(session_id),
             _thread(self.threads.transfers),
         ):
-            with trio.CancelScope(shield=True):
-                offset = 0
-                for index, (address, length) in enumerate(segments):
-                    try:
-                        if index == 0:
+            if submitted is not None:
+                submitted.set()
+            offset = 0
+            for index, (address, length) in enumerate(segments):
+                try:
+                    if index == 0:
+                        await self._transfer_one(
+                            first, session_id, address, remote_address, length, stopped is None
+                        )
+                    else:
+                        async with self._scripted("transfer") as entry:
                             await self._transfer_one(
-                                first, session_id, address, remote_address, length
+                                entry,
+                                session_id,
+                                address,
+                                remote_address + offset,
+                                length,
+                                stopped is None,
                             )
-                        else:
-                            async with self._scripted("transfer") as entry:
-                                await self._transfer_one(
-                                    entry, session_id, address, remote_address + offset, length
-                                )
-                    except EngineError as exc:
-                        failure = failure or exc
-                    offset += length
+                except EngineError as exc:
+                    failure = failure or exc
+                except trio.Cancelled as exc:
+                    stopped = exc  # the caller stopped waiting for a frozen peer
+                offset += length
+        if stopped is not None:
+            raise stopped
         if failure is not None:
             raise failure
 
@@ -372,9 +392,12 @@ class InMemoryEngine:
         local_address: int,
         remote_address: int,
         length: int,
+        wait: bool = True,
     ) -> None:
         """One segment's call: copy ``length`` bytes at its end if both ranges are still
-        registered then."""
+        registered then. Into a frozen peer it hangs until the transfer timeout, until the
+        caller is cancelled (then it raises ``trio.Cancelled``), or not at all without
+        ``wait``: its caller stopped waiting."""
         call, scripted = self._begin(
             "transfer", session_id, local_address, length, remote_address, entry
         )
@@ -389,9 +412,14 @@ class InMemoryEngine:
         abandoned = False
         try:
             await self._run_shielded(call)
-            if flight is not None and not await self._peer_answers(session_id):
+            if flight is not None and not await self._peer_answers(session_id, wait):
                 abandoned = self._abandon(flight, local_address, remote_address, length)
                 code, flight = TRANSFER_FAILED, None
+        except trio.Cancelled:
+            assert flight is not None  # only the wait for a frozen peer is cancellable
+            abandoned = self._abandon(flight, local_address, remote_address, length)
+            call.code, call.end = TRANSFER_FAILED, trio.current_time()
+            raise
         finally:
             if not abandoned:
                 self._drop_in_flight(call)
@@ -568,12 +596,16 @@ class InMemoryEngine:
                 self._in_flight_transfers.remove(held)
                 break
 
-    async def _peer_answers(self, session_id: str) -> bool:
-        """False if the peer is frozen and stays so past the transfer timeout (shielded)."""
+    async def _peer_answers(self, session_id: str, wait: bool = True) -> bool:
+        """False if the peer is frozen and stays so past the transfer timeout (or at once
+        without ``wait``). The wait is the one cancellable part of a started transfer: a
+        cancelled caller stops waiting (``trio.Cancelled``)."""
         thawed = self.fabric._frozen.get(session_id)
         if thawed is None:
             return True
-        with trio.CancelScope(shield=True), trio.move_on_after(self.fabric.transfer_timeout):
+        if not wait:
+            return False
+        with trio.move_on_after(self.fabric.transfer_timeout):
             await thawed.wait()
             return True
         return False
