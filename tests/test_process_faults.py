@@ -239,7 +239,10 @@ async def test_a_frozen_tp4_node_leaves_the_threads_another_node_needs(
                         nursery.start_soon(stuck, i, node[i % 4])
                     await trio.sleep(1.0)  # their transfers hang in the server's threads
                     await d.unrelated_request_is_served(other, within=2.0)
-                assert statuses == [502] * 12
+                # Failed by the engine (502), or, the last of them, still hanging at their
+                # request's deadline, which no longer waits for the engine (504).
+                assert len(statuses) == 12
+                assert set(statuses) <= {502, 504}, statuses
                 for rank in node:
                     rank.receiver.thaw()
 
