@@ -161,7 +161,7 @@ def write_segments(
     offset = 0
     for address, length in segments:
         if stop is not None and stop.is_set():
-            code = TRANSFER_FAILED
+            code = TRANSFER_FAILED  # the caller's end came: submit no more
             break
         batch_id = int(
             raw.transfer_submit_write(session_id, address, remote_address + offset, length)
