@@ -300,12 +300,27 @@ MUTANTS: dict[str, Mutant] = {
     ),
     "a poisoned Mooncake Store entry served (failure 24)": Mutant(
         "encoder/store.py",
-        "                    if checksum != _stored_checksum(digest):",
-        "                    if False:",
+        "                        sealed = checksum == _stored_checksum(digest)",
+        "                        sealed = True",
         (
             "tests/test_http_security.py::"
             "test_a_store_entry_whose_bytes_were_overwritten_is_never_served",
         ),
+    ),
+    "a store entry not sealed with the fleet's secret served": Mutant(
+        "encoder/store.py",
+        "sealed = hmac.compare_digest(seal.digest(key, row), stored)",
+        "sealed = True",
+        (
+            "tests/test_encoder_store_key.py::"
+            "test_with_a_fleet_secret_only_entries_sealed_by_the_fleet_are_served",
+        ),
+    ),
+    "a row changed since its forward sealed as the fleet's": Mutant(
+        "encoder/store.py",
+        "                    if tensor_checksum(tensor) != _stored_checksum(digest):",
+        "                    if False:",
+        ("tests/test_encoder_store_key.py::test_a_row_changed_since_its_forward_is_never_sealed",),
     ),
     "rows sent as they lie give their arena leases back before the send": Mutant(
         "encoder/front.py",

@@ -10,6 +10,7 @@ from that field, so adding a setting is adding a field and its docstring.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal, Protocol, get_args
 
 from pydantic import ConfigDict, Field
@@ -70,3 +71,18 @@ def comma_separated(value: Any) -> Any:
     if isinstance(value, str):
         return tuple(part.strip() for part in value.split(",") if part.strip())
     return value
+
+
+def secret_in_file(path: Path, name: str) -> str:
+    """The first line of ``path``, stripped: how a secret setting (``token_file``,
+    ``store_key_file``) is read, so the secret shows neither on a command line nor in the
+    environment. An unreadable or empty file is a :class:`ValueError` naming ``name`` and the
+    path, never the file's contents."""
+    try:
+        lines = path.read_text().strip().splitlines()
+    except (OSError, UnicodeDecodeError) as error:
+        reason = error.strerror if isinstance(error, OSError) else "not UTF-8 text"
+        raise ValueError(f"{name} {path}: {reason}") from None
+    if not lines or not lines[0].strip():
+        raise ValueError(f"{name} {path} is empty")
+    return lines[0].strip()

@@ -37,7 +37,7 @@ from pydantic_settings import (
     SettingsError,
 )
 
-from trio_encode.declare import SETTINGS, Group, comma_separated, in_group
+from trio_encode.declare import SETTINGS, Group, comma_separated, in_group, secret_in_file
 from trio_encode.encoder.settings import EncoderSettings
 from trio_encode.engine.mooncake import MooncakeSettings, default_progress_timeout
 from trio_encode.receivers import ReceiverPolicy
@@ -150,13 +150,8 @@ class ServerSettings(BaseSettings):
             return self
         if self.token is not None:
             raise ValueError("give token or token_file, not both")
-        try:
-            token = self.token_file.read_text().strip().splitlines()
-        except OSError as error:
-            raise ValueError(f"token_file {self.token_file}: {error.strerror}") from None
-        if not token or not token[0].strip():
-            raise ValueError(f"token_file {self.token_file} is empty")
-        object.__setattr__(self, "token", token[0].strip())  # frozen: set once, here
+        token = secret_in_file(self.token_file, "token_file")
+        object.__setattr__(self, "token", token)  # frozen: set once, here
         return self
 
     @model_validator(mode="after")

@@ -15,7 +15,7 @@ from typing import Annotated, Literal, Self
 from pydantic import AfterValidator, BeforeValidator, model_validator
 from pydantic.dataclasses import dataclass
 
-from trio_encode.declare import SETTINGS, comma_separated, in_group
+from trio_encode.declare import SETTINGS, comma_separated, in_group, secret_in_file
 from trio_encode.sizes import ByteSize, MiB
 
 DType = Literal["float32", "bfloat16", "float16"]
@@ -157,6 +157,11 @@ class EncoderSettings:
     store_wait: float = cache_setting(0.2, gt=0)
     """With store_master: seconds a request waits for a store lookup before it runs the forward
     itself."""
+    store_key_file: Path | None = cache_setting(None)
+    """With store_master: a file whose first line is a secret every encoder of the fleet shares.
+    Each store entry then carries a keyed digest of its name and bytes, so only holders of the
+    secret can write entries the fleet serves; without it, whoever reaches the store's ports can
+    (firewall them)."""
 
     # Input limits.
     max_image_bytes: ByteSize = server_setting(20 * MiB, gt=0)
@@ -213,6 +218,22 @@ class EncoderSettings:
         elif _differs(self, "feature_layer"):
             raise ValueError("feature_layer only applies with model (a CLIP/SigLIP tower)")
         return self
+
+    @model_validator(mode="after")
+    def _store_key_from_file(self) -> Self:
+        """Read once, at start, so a bad file is refused before anything runs; kept off the
+        fields, so the secret is in no repr, flag, variable or log line."""
+        secret = None
+        if self.store_key_file is not None:
+            secret = secret_in_file(self.store_key_file, "store_key_file").encode()
+        object.__setattr__(self, "_store_secret", secret)  # frozen: set once, here
+        return self
+
+    @property
+    def store_secret(self) -> bytes | None:
+        """The fleet's secret read from ``store_key_file``, or None without one."""
+        secret: bytes | None = self.__dict__["_store_secret"]
+        return secret
 
     @model_validator(mode="after")
     def _shapes_fit(self) -> Self:
