@@ -271,7 +271,9 @@ async def test_mooncake_stalls_every_transfer_while_a_frozen_peer_is_first_conta
             stalled = 0.0
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(write, cold)
-                await trio.sleep(0.3)
+                # Inside the handshake (and its lock) once connected to the paused peer: a
+                # fixed pause lost the race on a loaded machine.
+                await _until_connected(int(cold.session_id.rsplit(":", 1)[1]))
                 started = time.monotonic()
                 nursery.start_soon(_thaw_after, cold, 2.0)
                 await write(known)
@@ -343,6 +345,24 @@ async def test_a_rank_frozen_at_first_contact_delays_no_other_request(
                 (failed,) = results
                 assert failed.status == 502
                 receiver.thaw()
+
+
+async def _until_connected(port: int) -> None:
+    """Return once this host has an established TCP connection to local ``port``."""
+    while not _connected_to(port):  # noqa: ASYNC110 (polling the kernel; nothing to wait on)
+        await trio.sleep(0.01)
+
+
+def _connected_to(port: int) -> bool:
+    """From ``/proc/net/tcp*``, where ports are hex and state 01 is ESTABLISHED."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as rows:
+            next(rows)
+            for row in rows:
+                fields = row.split()
+                if fields[3] == "01" and int(fields[2].rsplit(":", 1)[1], 16) == port:
+                    return True
+    return False
 
 
 async def _thaw_after(receiver: ReceiverProcess, seconds: float) -> None:
