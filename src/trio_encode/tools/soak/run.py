@@ -119,8 +119,10 @@ class SoakConfig:
     two_image_share: float = Field(default=0.1, ge=0, le=1)
     """Share of requests with two images rather than one."""
     repeat_share: float = Field(default=0.75, ge=0, le=1)
-    """Share of images that repeat one of the last ``images`` new ones (a cache hit while it
-    is cached); the others are new: a photo tagged with an identity of their own."""
+    """After the warm-up, the share of images that repeat one of the last ``images`` new ones
+    (a cache hit while it is cached); the others are new: a photo tagged with an identity of
+    their own. Every image of the warm-up is new, so the cache is full (and evicting) by the
+    time the RSS level is taken."""
     transfer_timeout: int = 2
     """``MC_TRANSFER_TIMEOUT`` for the server: a transfer into a frozen rank fails after about
     5 s with it (30 s without)."""
@@ -348,11 +350,12 @@ class _Soak:
         """The last new images, ``(identity, data URI)``: what a repeat draws from."""
 
     def draw_images(self, req_id: str, count: int) -> list[tuple[int, str]]:
-        """``count`` images for ``req_id``: repeats of recent ones, or new ones tagged with an
-        identity of their own."""
+        """``count`` images for ``req_id``: repeats of recent ones (once warm), or new ones
+        tagged with an identity of their own."""
         images = []
         for j in range(count):
-            if self.recent and self.random.random() < self.config.repeat_share:
+            warm = self.warm_at is not None
+            if warm and self.recent and self.random.random() < self.config.repeat_share:
                 images.append(self.random.choice(self.recent))
                 continue
             identity = len(self.owners) + 1
