@@ -13,7 +13,7 @@ import ctypes
 import itertools
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import TypeVar
 
@@ -101,7 +101,7 @@ class Harness:
 async def real_encoder(
     *, cache_bytes: int = 0, send_timeout: float = 180.0
 ) -> AsyncIterator[Harness]:
-    settings = EncoderSettings(**{**TINY.__dict__, "cache_bytes": cache_bytes})
+    settings = replace(TINY, cache_bytes=cache_bytes)
     backend = fixed(load_backend(settings))
     gate = ForwardGate()
     forwards: list[int] = []
