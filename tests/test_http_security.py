@@ -29,7 +29,7 @@ from support.engines import DEAD_SESSION, RankEngines
 from support.harness import Harness, http_server, landing_pools
 from support.models import SMALL
 from support.web_server import web_server
-from trio_encode.client import metric_value
+from trio_encode.client import LandingPool, LandingSlot, metric_value
 from trio_encode.encoder import ImageEncoder
 from trio_encode.encoder import backend as backend_module
 from trio_encode.encoder.cache import content_key
@@ -442,6 +442,32 @@ async def test_no_unauthenticated_route_and_no_error_shows_the_engine_or_an_addr
         await harness.settled()
 
 
+POISON = b"\x07" * ROW
+"""What a stranger writes over a cached row."""
+
+
+async def _write_as_a_stranger(rank_engines: RankEngines, address: int) -> None:
+    """:data:`POISON` written at ``address`` of the server's engine by a plain Mooncake client
+    that knows only the engine's address (one of the rank engines, not a receiver of it)."""
+    poison = torch.frombuffer(bytearray(POISON), dtype=torch.uint8)
+    await rank_engines.ranks[1].transfer(
+        rank_engines.server.session_id, [(poison.data_ptr(), ROW)], address
+    )
+
+
+async def _served_as_computed(
+    harness: Harness, pool: LandingPool, image: str, checksum: int, first: LandingSlot
+) -> None:
+    """A new request for ``image`` gets the model's embedding (``checksum``, the bytes
+    ``first`` received before the write), not the written bytes."""
+    again = await harness.client.encode("again", [image], receive_count=1)
+    assert again.checksum == checksum
+    second = pool.allocate(ROW)
+    sent = await harness.client.send("again", pool.session_id, second.address)
+    second.verify(sent.embedding_size, sent.checksum)
+    assert second.raw()[:ROW].tolist() == first.raw()[:ROW].tolist()
+
+
 async def test_an_engine_write_into_the_arena_is_detected_and_never_served(
     rank_engines: RankEngines,
 ) -> None:
@@ -461,19 +487,10 @@ async def test_an_engine_write_into_the_arena_is_detected_and_never_served(
         await harness.client.send("clean", pool.session_id, first.address)
         assert encoder.arena is not None
         (segment,) = encoder.arena._cached.values()
-        poison = torch.full((ROW,), 7, dtype=torch.uint8)
-        attacker = rank_engines.ranks[1]
-        await attacker.transfer(
-            rank_engines.server.session_id, [(poison.data_ptr(), ROW)], segment.address
-        )
-        assert bytes(segment.buffer[:8]) == b"\x07" * 8, "the write landed in the arena"
+        await _write_as_a_stranger(rank_engines, segment.address)
+        assert bytes(segment.buffer[:8]) == POISON[:8], "the write landed in the arena"
 
-        again = await harness.client.encode("again", [image], receive_count=1)
-        assert again.checksum == clean.checksum
-        second = pool.allocate(ROW)
-        sent = await harness.client.send("again", pool.session_id, second.address)
-        second.verify(sent.embedding_size, sent.checksum)
-        assert second.raw()[:ROW].tolist() == first.raw()[:ROW].tolist()
+        await _served_as_computed(harness, pool, image, clean.checksum, first)
         await harness.settled()
     assert (
         metric_value(observed.render().decode(), "encoder_cache_poisoned_total", source="arena")
@@ -509,17 +526,10 @@ async def test_an_engine_write_into_a_registered_cached_row_is_never_served(
         assert encoder.cache is not None
         (cached,) = encoder.cache._entries.values()
         assert (cached.data_ptr(), nbytes) == (address, ROW), "the request sends the cached row"
-        poison = torch.full((ROW,), 7, dtype=torch.uint8)
-        attacker = rank_engines.ranks[1]
-        await attacker.transfer(rank_engines.server.session_id, [(poison.data_ptr(), ROW)], address)
-        assert bytes(cached.view(torch.uint8).numpy().data)[:8] == b"\x07" * 8, "it landed"
+        await _write_as_a_stranger(rank_engines, address)
+        assert bytes(cached.view(torch.uint8).numpy().data)[:8] == POISON[:8], "it landed"
 
-        again = await harness.client.encode("again", [image], receive_count=1)
-        assert again.checksum == held.checksum
-        second = pool.allocate(ROW)
-        sent = await harness.client.send("again", pool.session_id, second.address)
-        second.verify(sent.embedding_size, sent.checksum)
-        assert second.raw()[:ROW].tolist() == first.raw()[:ROW].tolist()
+        await _served_as_computed(harness, pool, image, held.checksum, first)
         await harness.client.send("held", pool.session_id, pool.allocate(ROW).address)
         await harness.settled()
     text = observed.render().decode()
