@@ -8,7 +8,7 @@ segments of the registered arena, sent as they lie (no registration, no concaten
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -99,7 +99,69 @@ class Embedding:
         """Nothing to give back: dropping the last reference frees the tensor."""
 
 
-class RowsEmbedding:
+class _Pieces:
+    """An embedding as pieces, one per image, sent one after another as they lie: what
+    :class:`RowsEmbedding` and :class:`ArenaEmbedding` share. Each says where its pieces lie
+    (``segments``) and what their bytes are (``_piece_bytes``)."""
+
+    views: list[torch.Tensor]
+    """Each piece's ``(rows, dim)`` tensor, in order (one may repeat)."""
+    grids: tuple[Grid | None, ...]
+    """Per image, the grid its model used (None for a fixed-grid model)."""
+
+    @property
+    def segments(self) -> list[tuple[int, int]]:
+        raise NotImplementedError
+
+    def _piece_bytes(self) -> Iterator[memoryview]:
+        raise NotImplementedError
+
+    @property
+    def address(self) -> int:
+        return self.segments[0][0]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(nbytes for _, nbytes in self.segments)
+
+    @property
+    def rows(self) -> int:
+        return sum(self.image_lens)
+
+    @property
+    def dim(self) -> int:
+        return int(self.views[0].shape[1])
+
+    @property
+    def dtype(self) -> str:
+        return DTYPE_NAMES[self.views[0].dtype]
+
+    @property
+    def image_lens(self) -> tuple[int, ...]:
+        """Rows of each image (piece), in order."""
+        return tuple(int(view.shape[0]) for view in self.views)
+
+    @cached_property
+    def checksum(self) -> str:
+        """The checksum of the pieces' bytes one after another, as a receiver holds them
+        (reads every byte: call it off the event loop first)."""
+        digest = xxhash.xxh3_64()
+        for piece in self._piece_bytes():
+            digest.update(piece)
+        return f"{CHECKSUM_ALGORITHM}:{digest.hexdigest()}"
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The rows as one contiguous tensor, like :attr:`Embedding.tensor` (here a copy: the
+        pieces lie apart)."""
+        return torch.cat(self.views, dim=0)
+
+    def copy(self) -> Embedding:
+        """The same bytes in one fresh tensor (outside the arena)."""
+        return Embedding(self.tensor, self.grids, self.image_lens)
+
+
+class RowsEmbedding(_Pieces):
     """A request's images' ``(rows, dim)`` tensors, in order, sent one after another as they
     lie: never concatenated, so a request naming one cached image 64 times costs 64
     ``(address, length)`` pairs, not 64 copies of its rows. Each distinct tensor is registered
@@ -117,57 +179,18 @@ class RowsEmbedding:
         self._parts = [Embedding(row) for row in rows]  # each checked: 2-D, contiguous, CPU
         if len({(part.dim, part.dtype) for part in self._parts}) != 1:
             raise ValueError("every tensor must have the same dim and dtype")
+        self.views = [part.tensor for part in self._parts]
         self.grids = check_grids(grids)
-        """Per image, the grid its model used (None for a fixed-grid model)."""
         self._leases = list(leases)
         """Arena segments some rows lie in, one lease each, given back by :meth:`release`."""
-
-    @property
-    def address(self) -> int:
-        return self._parts[0].address
-
-    @property
-    def nbytes(self) -> int:
-        return sum(part.nbytes for part in self._parts)
-
-    @property
-    def rows(self) -> int:
-        return sum(part.rows for part in self._parts)
-
-    @property
-    def dim(self) -> int:
-        return self._parts[0].dim
-
-    @property
-    def dtype(self) -> str:
-        return self._parts[0].dtype
-
-    @property
-    def image_lens(self) -> tuple[int, ...]:
-        """Rows of each image, in order."""
-        return tuple(part.rows for part in self._parts)
 
     @property
     def segments(self) -> list[tuple[int, int]]:
         return [(part.address, part.nbytes) for part in self._parts]
 
-    @cached_property
-    def checksum(self) -> str:
-        """The checksum of the tensors' bytes one after another, as a receiver holds them
-        (reads every byte: call it off the event loop first)."""
-        digest = xxhash.xxh3_64()
-        for part in self._parts:
-            digest.update(part.tensor.view(torch.uint8).numpy().data)
-        return f"{CHECKSUM_ALGORITHM}:{digest.hexdigest()}"
-
-    @property
-    def tensor(self) -> torch.Tensor:
-        """The rows as one contiguous tensor (a copy)."""
-        return torch.cat([part.tensor for part in self._parts], dim=0)
-
-    def copy(self) -> Embedding:
-        """The same bytes in one fresh tensor."""
-        return Embedding(self.tensor, self.grids, self.image_lens)
+    def _piece_bytes(self) -> Iterator[memoryview]:
+        for view in self.views:
+            yield view.view(torch.uint8).numpy().data
 
     def release(self) -> None:
         """Give back the arena leases of rows that lie in the arena, once (on the event loop,
@@ -177,11 +200,11 @@ class RowsEmbedding:
             segment.arena.release(segment)
 
 
-class ArenaEmbedding:
+class ArenaEmbedding(_Pieces):
     """A request's embedding as its images' arena segments, in order (one may repeat).
 
     Holds one lease on each listed segment, given back by :meth:`release` (on the event loop,
-    after the scope has stopped every transfer that reads them). ``rows`` are views of the
+    after the scope has stopped every transfer that reads them). ``views`` are views of the
     segments' bytes, for callers that want tensors.
     """
 
@@ -196,56 +219,15 @@ class ArenaEmbedding:
         self._segments = [segment for segment, _ in parts]
         self.views = [row for _, row in parts]
         self.grids = check_grids(grids)
-        """Per image, the grid its model used (None for a fixed-grid model)."""
         self._released = False
-
-    @property
-    def image_lens(self) -> tuple[int, ...]:
-        """Rows of each image (segment), in order."""
-        return tuple(int(view.shape[0]) for view in self.views)
-
-    @property
-    def address(self) -> int:
-        return self._segments[0].address
-
-    @property
-    def nbytes(self) -> int:
-        return sum(segment.nbytes for segment in self._segments)
-
-    @property
-    def rows(self) -> int:
-        return sum(int(view.shape[0]) for view in self.views)
-
-    @property
-    def dim(self) -> int:
-        return int(self.views[0].shape[1])
-
-    @property
-    def dtype(self) -> str:
-        return DTYPE_NAMES[self.views[0].dtype]
 
     @property
     def segments(self) -> list[tuple[int, int]]:
         return [(segment.address, segment.nbytes) for segment in self._segments]
 
-    @cached_property
-    def checksum(self) -> str:
-        """The checksum of the segments' bytes one after another, as a receiver holds them
-        (reads every byte: call it off the event loop first)."""
-        digest = xxhash.xxh3_64()
+    def _piece_bytes(self) -> Iterator[memoryview]:
         for segment in self._segments:
-            digest.update(segment.buffer)
-        return f"{CHECKSUM_ALGORITHM}:{digest.hexdigest()}"
-
-    @property
-    def tensor(self) -> torch.Tensor:
-        """The rows as one contiguous tensor, like :attr:`Embedding.tensor` (here a copy: the
-        rows lie in separate segments)."""
-        return torch.cat(self.views, dim=0)
-
-    def copy(self) -> Embedding:
-        """The same bytes in one fresh tensor, outside the arena."""
-        return Embedding(self.tensor, self.grids, self.image_lens)
+            yield segment.buffer
 
     def release(self) -> None:
         """Give the segments' leases back to the arena, once."""
