@@ -40,7 +40,7 @@ async def test_the_fleet_demo_survives_a_killed_encoder_and_prints_its_table(
 
 def test_the_fleet_table_says_what_every_counter_counts() -> None:
     outcome = FleetOutcome(
-        FleetDemoConfig(), rows=[EncoderCounts("http://127.0.0.1:1", store_failures=1)]
+        FleetDemoConfig(), rows=[EncoderCounts("http://127.0.0.1:1", {"store_failures": 1})]
     )
     table = outcome.table()
     header = table.splitlines()[0]

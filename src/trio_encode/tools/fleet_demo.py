@@ -109,16 +109,16 @@ class FleetDemoConfig:
 
 @dataclass
 class EncoderCounts:
-    """One encoder's counters, read from its ``/metrics`` (and ``served`` from the ranks)."""
+    """One encoder's counters and whether it was killed."""
 
     url: str
-    served: int = 0
-    forwards: float = 0.0
-    local_hits: float = 0.0
-    store_hits: float = 0.0
-    store_misses: float = 0.0
-    store_failures: float = 0.0
+    counts: dict[str, float] = field(default_factory=dict)
+    """By field of :data:`COLUMNS` (0 until counted): ``served`` counted from the ranks, the
+    rest read from its ``/metrics``."""
     killed: bool = False
+
+    def count(self, name: str) -> float:
+        return self.counts.get(name, 0.0)
 
 
 COLUMNS: tuple[tuple[str, str, str], ...] = (
@@ -135,7 +135,7 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
         "saw it",
     ),
 )
-"""The table's counters: header, field of :class:`EncoderCounts`, what it counts."""
+"""The table's counters: header, field of :attr:`EncoderCounts.counts`, what it counts."""
 
 
 @dataclass
@@ -155,7 +155,7 @@ class FleetOutcome:
 
     @property
     def forwards(self) -> float:
-        return sum(row.forwards for row in self.rows)
+        return sum(row.count("forwards") for row in self.rows)
 
     def table(self) -> str:
         """Per encoder, its counters and state; the totals; what each counter means; the
@@ -174,9 +174,9 @@ class FleetOutcome:
         lines = [head, "-" * len(head)]
         for row in self.rows:
             state = "killed half-way (counts at the kill)" if row.killed else "up"
-            values = [getattr(row, name) for _, name, _ in COLUMNS]
+            values = [row.count(name) for _, name, _ in COLUMNS]
             lines.append(line(row.url.removeprefix("http://"), values, state))
-        totals = [sum(getattr(row, name) for row in self.rows) for _, name, _ in COLUMNS]
+        totals = [sum(row.count(name) for row in self.rows) for _, name, _ in COLUMNS]
         lines += ["-" * len(head), line("total", totals, "")]
         lines += [""] + [f"{header:>14}: {meaning}" for header, _, meaning in COLUMNS]
         lines += [
@@ -374,7 +374,8 @@ async def _workload(
                 outcome.failures.append(f"image {image}: {result.encoder} sent other bytes")
             outcome.bytes_checked += size
             outcome.served += 1
-            rows[result.encoder].served += 1
+            answered = rows[result.encoder]
+            answered.counts["served"] = answered.count("served") + 1
         except (RequestError, ChecksumMismatch) as exc:
             outcome.failures.append(f"fleet-{req} rank {r}: {type(exc).__name__}: {exc}")
         finally:
@@ -420,11 +421,13 @@ async def _workload(
 
 async def _read_counts(http: httpx.AsyncClient, row: EncoderCounts) -> None:
     text = (await http.get(row.url + "/metrics")).text
-    row.forwards = metric_value(text, "encoder_batch_size_sum")
-    row.local_hits = metric_value(text, "encoder_cache_hits_total")
-    row.store_hits = metric_value(text, "store_lookups_total", result="hit")
-    row.store_misses = metric_value(text, "store_lookups_total", result="miss")
-    row.store_failures = sum(
-        metric_value(text, "store_lookups_total", result=result)
-        for result in ("error", "timeout", "unavailable")
+    row.counts.update(
+        forwards=metric_value(text, "encoder_batch_size_sum"),
+        local_hits=metric_value(text, "encoder_cache_hits_total"),
+        store_hits=metric_value(text, "store_lookups_total", result="hit"),
+        store_misses=metric_value(text, "store_lookups_total", result="miss"),
+        store_failures=sum(
+            metric_value(text, "store_lookups_total", result=result)
+            for result in ("error", "timeout", "unavailable")
+        ),
     )
