@@ -8,7 +8,7 @@ behind, which :func:`engine_pair` guarantees for the registrations made through 
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,7 @@ from trio_encode.engine import TransferEngine
 from trio_encode.engine.mooncake import MooncakeEngine, MooncakeSettings
 from trio_encode.service import ShutdownReport
 from trio_encode.settings import ENV_PREFIX, ServerSettings
+from trio_encode.testing.forwarding import ForwardingEngine
 from trio_encode.testing.memory_engine import InMemoryFabric
 
 # A session id nobody listens on: port 1 on loopback is never a Mooncake engine.
@@ -126,41 +127,21 @@ def mooncake_engines() -> tuple[MooncakeEngine, MooncakeEngine]:
     )
 
 
-class TrackingEngine:
+class TrackingEngine(ForwardingEngine):
     """Forwards every call to an engine unchanged and remembers the registrations that are
     still live, so a fixture can remove them after the test (shared engines stay clean)."""
 
     def __init__(self, engine: TransferEngine) -> None:
-        self.engine = engine
+        super().__init__(engine)
         self.live: set[int] = set()
 
-    @property
-    def session_id(self) -> str:
-        return self.engine.session_id
-
     async def register(self, address: int, length: int) -> None:
-        await self.engine.register(address, length)
+        await super().register(address, length)
         self.live.add(address)
 
     async def deregister(self, address: int) -> None:
-        await self.engine.deregister(address)
+        await super().deregister(address)
         self.live.discard(address)
-
-    async def transfer(
-        self,
-        session_id: str,
-        segments: Sequence[tuple[int, int]],
-        remote_address: int,
-        *,
-        submitted: trio.Event | None = None,
-    ) -> None:
-        await self.engine.transfer(session_id, segments, remote_address, submitted=submitted)
-
-    def reading(self, address: int, length: int) -> bool:
-        return self.engine.reading(address, length)
-
-    async def settled(self, address: int, length: int) -> None:
-        await self.engine.settled(address, length)
 
     async def cleanup(self) -> None:
         for address in sorted(self.live):

@@ -10,6 +10,7 @@ import torch
 import trio
 import trio.testing
 
+from trio_encode.engine import Write
 from trio_encode.testing.costs import RDMA, CallCost, CostModel
 from trio_encode.testing.memory_engine import InMemoryFabric
 from trio_encode.tools.bench.rdma_model import PATHS, run_model
@@ -36,7 +37,7 @@ async def test_calls_take_the_modelled_time(autojump_clock: trio.testing.MockClo
     assert trio.current_time() - start == pytest.approx(2e-3)  # 1 ms + 1 MB x 1 ns
     start = trio.current_time()
     await sender.transfer(
-        receiver.session_id, [(int(source.data_ptr()), 10**6)], int(dest.data_ptr())
+        Write(receiver.session_id, [(int(source.data_ptr()), 10**6)], int(dest.data_ptr()))
     )
     assert trio.current_time() - start == pytest.approx(1e-3)
     assert bool(dest.all())
@@ -61,12 +62,10 @@ async def test_transfers_from_one_engine_share_its_link(
     start = trio.current_time()
     async with trio.open_nursery() as nursery:
         for rank, buffer in zip(ranks, buffers, strict=True):
-            nursery.start_soon(
-                sender.transfer,
-                rank.session_id,
-                [(int(source.data_ptr()), 10**6)],
-                int(buffer.data_ptr()),
+            write = Write(
+                rank.session_id, [(int(source.data_ptr()), 10**6)], int(buffer.data_ptr())
             )
+            nursery.start_soon(sender.transfer, write)
     assert trio.current_time() - start == pytest.approx(2e-3)
 
 

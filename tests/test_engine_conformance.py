@@ -22,6 +22,7 @@ from trio_encode.engine import (
     TRANSFER_FAILED,
     EngineError,
     TransferEngine,
+    Write,
 )
 from trio_encode.engine.mooncake import MooncakeEngine, MooncakeSettings
 from trio_encode.testing.memory_engine import CallRecord, InMemoryEngine, InMemoryFabric
@@ -129,7 +130,7 @@ async def test_transfer_lands_every_byte(engine_pair: EnginePair, buffers: Buffe
     await engine_pair.sender.register(addr(source), size)
     await engine_pair.receiver.register(addr(dest), size + 2 * KIB)
     await engine_pair.sender.transfer(
-        engine_pair.receiver.session_id, [(addr(source), size)], addr(dest, KIB)
+        Write(engine_pair.receiver.session_id, [(addr(source), size)], addr(dest, KIB))
     )
     assert torch.equal(dest[KIB : KIB + size], source)
     assert not dest[:KIB].any()
@@ -143,7 +144,9 @@ async def test_segments_land_back_to_back(engine_pair: EnginePair, buffers: Buff
     await engine_pair.sender.register(addr(source), 96 * KIB)
     await engine_pair.receiver.register(addr(dest), 64 * KIB)
     pieces = [(addr(source, 64 * KIB), 16 * KIB), (addr(source), 8 * KIB), (addr(source, KIB), KIB)]
-    await engine_pair.sender.transfer(engine_pair.receiver.session_id, pieces, addr(dest, KIB))
+    await engine_pair.sender.transfer(
+        Write(engine_pair.receiver.session_id, pieces, addr(dest, KIB))
+    )
     expected = torch.cat([source[64 * KIB : 80 * KIB], source[: 8 * KIB], source[KIB : 2 * KIB]])
     assert torch.equal(dest[KIB : KIB + 25 * KIB], expected)
     assert not dest[:KIB].any()
@@ -162,7 +165,7 @@ async def test_segments_past_the_destination_fail(
     await expect_error(
         "transfer",
         TRANSFER_FAILED,
-        engine_pair.sender.transfer(engine_pair.receiver.session_id, pieces, addr(dest)),
+        engine_pair.sender.transfer(Write(engine_pair.receiver.session_id, pieces, addr(dest))),
     )
 
 
@@ -176,7 +179,7 @@ async def test_transfer_to_unregistered_destination_fails(
         "transfer",
         TRANSFER_FAILED,
         engine_pair.sender.transfer(
-            engine_pair.receiver.session_id, [(addr(source), 4 * KIB)], addr(dest)
+            Write(engine_pair.receiver.session_id, [(addr(source), 4 * KIB)], addr(dest))
         ),
     )
     assert error.session_id == engine_pair.receiver.session_id
@@ -197,7 +200,7 @@ async def test_transfer_past_the_end_of_a_registration_fails(
         "transfer",
         TRANSFER_FAILED,
         engine_pair.sender.transfer(
-            engine_pair.receiver.session_id, [(addr(source), 4 * KIB)], addr(dest, 2 * KIB)
+            Write(engine_pair.receiver.session_id, [(addr(source), 4 * KIB)], addr(dest, 2 * KIB))
         ),
     )
     assert not dest.any()
@@ -215,7 +218,7 @@ async def test_transfer_across_two_adjacent_registrations_fails(
         "transfer",
         TRANSFER_FAILED,
         engine_pair.sender.transfer(
-            engine_pair.receiver.session_id, [(addr(source), 4 * KIB)], addr(dest, 2 * KIB)
+            Write(engine_pair.receiver.session_id, [(addr(source), 4 * KIB)], addr(dest, 2 * KIB))
         ),
     )
     assert not dest.any()
@@ -229,7 +232,7 @@ async def test_transfer_to_dead_session_fails(engine_pair: EnginePair, buffers: 
         "transfer",
         TRANSFER_FAILED,
         engine_pair.sender.transfer(
-            engine_pair.dead_session_id, [(addr(source), 4 * KIB)], addr(dest)
+            Write(engine_pair.dead_session_id, [(addr(source), 4 * KIB)], addr(dest))
         ),
     )
     assert error.session_id == engine_pair.dead_session_id
@@ -277,13 +280,13 @@ async def test_memory_transfer_from_unregistered_source_fails(
     await expect_error(
         "transfer",
         TRANSFER_FAILED,
-        sender.transfer(receiver.session_id, [(addr(source), 4 * KIB)], addr(dest)),
+        sender.transfer(Write(receiver.session_id, [(addr(source), 4 * KIB)], addr(dest))),
     )
     await sender.register(addr(source), 2 * KIB)  # part of the source is not enough
     await expect_error(
         "transfer",
         TRANSFER_FAILED,
-        sender.transfer(receiver.session_id, [(addr(source), 4 * KIB)], addr(dest)),
+        sender.transfer(Write(receiver.session_id, [(addr(source), 4 * KIB)], addr(dest))),
     )
     assert not dest.any()
 
@@ -298,7 +301,7 @@ async def test_memory_closed_receiver_is_dead(fabric: InMemoryFabric, buffers: B
     await expect_error(
         "transfer",
         TRANSFER_FAILED,
-        sender.transfer(receiver.session_id, [(addr(source), KIB)], addr(dest)),
+        sender.transfer(Write(receiver.session_id, [(addr(source), KIB)], addr(dest))),
     )
     assert not dest.any()
 
@@ -323,7 +326,7 @@ async def test_memory_latency_takes_virtual_time(
         fabric, buffers, register_latency=1.0, transfer_latency=3.0
     )
     start = trio.current_time()
-    await sender.transfer(receiver.session_id, [(addr(source), 4 * KIB)], addr(dest))
+    await sender.transfer(Write(receiver.session_id, [(addr(source), 4 * KIB)], addr(dest)))
     assert trio.current_time() - start == 3.0
     assert torch.equal(source, dest)
     record = sender.history[-1]
@@ -339,7 +342,7 @@ async def test_memory_scripted_latencies(
 
     async def timed_transfer() -> float:
         start = trio.current_time()
-        await sender.transfer(receiver.session_id, [(addr(source), 4 * KIB)], addr(dest))
+        await sender.transfer(Write(receiver.session_id, [(addr(source), 4 * KIB)], addr(dest)))
         return trio.current_time() - start
 
     sender.script_latency("transfer", [5.0, 0.5])
@@ -374,7 +377,7 @@ async def test_memory_started_call_completes_when_caller_is_cancelled(
     sender, receiver, source, dest = await transfer_setup(fabric, buffers, transfer_latency=5.0)
     start = trio.current_time()
     with trio.move_on_after(1.0):
-        await sender.transfer(receiver.session_id, [(addr(source), 4 * KIB)], addr(dest))
+        await sender.transfer(Write(receiver.session_id, [(addr(source), 4 * KIB)], addr(dest)))
         # Like to_thread.run_sync: the result comes back; the cancellation waits for the
         # caller's next checkpoint.
         with pytest.raises(trio.Cancelled):
@@ -402,7 +405,7 @@ async def test_memory_deregister_during_transfer_is_a_violation(
             await expect_error(
                 "transfer",
                 TRANSFER_FAILED,
-                sender.transfer(receiver.session_id, [(addr(source), 4 * KIB)], addr(dest)),
+                sender.transfer(Write(receiver.session_id, [(addr(source), 4 * KIB)], addr(dest))),
             )
 
         nursery.start_soon(transfer)
@@ -420,7 +423,7 @@ async def test_memory_deregister_after_transfer_is_clean(
     autojump_clock: trio.testing.MockClock, fabric: InMemoryFabric, buffers: BufferPool
 ) -> None:
     sender, receiver, source, dest = await transfer_setup(fabric, buffers, transfer_latency=5.0)
-    await sender.transfer(receiver.session_id, [(addr(source), 4 * KIB)], addr(dest))
+    await sender.transfer(Write(receiver.session_id, [(addr(source), 4 * KIB)], addr(dest)))
     await sender.deregister(addr(source))
     await receiver.deregister(addr(dest))
     assert fabric.violations == []
@@ -473,10 +476,10 @@ async def test_memory_fail_next(
         await expect_error(
             "transfer",
             -5,
-            sender.transfer(receiver.session_id, [(addr(source), 4 * KIB)], addr(dest)),
+            sender.transfer(Write(receiver.session_id, [(addr(source), 4 * KIB)], addr(dest))),
         )
     assert not dest.any()
-    await sender.transfer(receiver.session_id, [(addr(source), 4 * KIB)], addr(dest))
+    await sender.transfer(Write(receiver.session_id, [(addr(source), 4 * KIB)], addr(dest)))
     assert torch.equal(source, dest)
 
     sender.fail_next("deregister", code=INVALID_ADDRESS)
@@ -495,7 +498,7 @@ async def test_memory_gate_holds_calls_until_opened(
 
     async def held_transfer(caller: trio.CancelScope) -> None:
         with caller:
-            await sender.transfer(receiver.session_id, [(addr(source), 4 * KIB)], addr(dest))
+            await sender.transfer(Write(receiver.session_id, [(addr(source), 4 * KIB)], addr(dest)))
 
     async with trio.open_nursery() as nursery:
         for caller in callers:
@@ -517,4 +520,4 @@ async def test_memory_gate_holds_calls_until_opened(
     assert [c.ok for c in sender.calls("transfer")] == [True, True]
     assert torch.equal(source, dest)
     # An opened gate lets later calls straight through.
-    await sender.transfer(receiver.session_id, [(addr(source), 4 * KIB)], addr(dest))
+    await sender.transfer(Write(receiver.session_id, [(addr(source), 4 * KIB)], addr(dest)))

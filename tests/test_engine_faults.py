@@ -8,7 +8,13 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 
-from trio_encode.engine import ADDRESS_OVERLAPPED, INVALID_ADDRESS, TRANSFER_FAILED, EngineError
+from trio_encode.engine import (
+    ADDRESS_OVERLAPPED,
+    INVALID_ADDRESS,
+    TRANSFER_FAILED,
+    EngineError,
+    Write,
+)
 from trio_encode.testing.faults import FaultPlan, FaultyEngine
 
 if TYPE_CHECKING:
@@ -62,7 +68,7 @@ async def test_injected_failures_carry_mooncakes_codes_and_never_reach_the_engin
 
     with pytest.raises(EngineError) as failed:
         await always.transfer(
-            engine_pair.receiver.session_id, [(addr(source), 4 * KIB)], addr(landing)
+            Write(engine_pair.receiver.session_id, [(addr(source), 4 * KIB)], addr(landing))
         )
     assert (failed.value.call, failed.value.code) == ("transfer", TRANSFER_FAILED)
     assert failed.value.session_id == engine_pair.receiver.session_id
@@ -89,7 +95,7 @@ async def test_the_fraction_is_seeded_and_calls_that_pass_do_their_work(
     # First contact (a probe with a deadline) happens before the counted calls: what is
     # counted below is the injected faults, not how fast a loaded machine answers a probe.
     await engine_pair.sender.transfer(
-        engine_pair.receiver.session_id, [(addr(source), 4 * KIB)], addr(landing)
+        Write(engine_pair.receiver.session_id, [(addr(source), 4 * KIB)], addr(landing))
     )
     outcomes: list[list[bool]] = []
     for _ in range(2):
@@ -100,7 +106,7 @@ async def test_the_fraction_is_seeded_and_calls_that_pass_do_their_work(
             landing.zero_()
             try:
                 await faulty.transfer(
-                    engine_pair.receiver.session_id, [(addr(source), 4 * KIB)], addr(landing)
+                    Write(engine_pair.receiver.session_id, [(addr(source), 4 * KIB)], addr(landing))
                 )
             except EngineError as exc:
                 passed.append(False)

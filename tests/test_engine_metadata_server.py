@@ -19,6 +19,7 @@ import pytest
 import torch
 import trio
 
+from trio_encode.engine import Write
 from trio_encode.engine.mooncake import MooncakeEngine, MooncakeSettings
 
 
@@ -57,7 +58,11 @@ async def test_a_transfer_through_an_http_metadata_server(metadata_url: str) -> 
     await receiver.register(int(landing.data_ptr()), landing.numel())
     with trio.fail_after(10):
         await sender.transfer(
-            receiver.session_id, [(int(source.data_ptr()), source.numel())], int(landing.data_ptr())
+            Write(
+                receiver.session_id,
+                [(int(source.data_ptr()), source.numel())],
+                int(landing.data_ptr()),
+            )
         )
     assert torch.equal(source, landing)
     await sender.deregister(int(source.data_ptr()))

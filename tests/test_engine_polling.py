@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from trio_encode.engine import Write
 from trio_encode.engine.mooncake import transfer_timeout, wait_until_done, write_segments
 
 
@@ -135,6 +136,6 @@ def test_a_refused_submission_ends_the_write() -> None:
     submitted are waited for."""
     raw = FakeMooncake([7, -1, 9])
     segments = [(0x1000, 16), (0x2000, 16), (0x3000, 16)]
-    assert write_segments(raw, "peer:1", segments, 0x9000) == (-1, [])
+    assert write_segments(raw, Write("peer:1", segments, 0x9000)) == (-1, [])
     assert raw.submitted == [0x1000, 0x2000]
     assert raw.asked == [7]

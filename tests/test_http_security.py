@@ -36,6 +36,7 @@ from trio_encode.encoder.cache import content_key
 from trio_encode.encoder.fetch import FetchPolicy
 from trio_encode.encoder.images import load_item
 from trio_encode.encoder.store import MooncakeEmbeddingStore, store_key
+from trio_encode.engine import Write
 from trio_encode.logs import KeyValueFormatter
 from trio_encode.receivers import ReceiverPolicy
 from trio_encode.server import app as app_module
@@ -451,7 +452,7 @@ async def _write_as_a_stranger(rank_engines: RankEngines, address: int) -> None:
     that knows only the engine's address (one of the rank engines, not a receiver of it)."""
     poison = torch.frombuffer(bytearray(POISON), dtype=torch.uint8)
     await rank_engines.ranks[1].transfer(
-        rank_engines.server.session_id, [(poison.data_ptr(), ROW)], address
+        Write(rank_engines.server.session_id, [(poison.data_ptr(), ROW)], address)
     )
 
 

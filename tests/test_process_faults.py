@@ -23,6 +23,7 @@ import xxhash
 
 from trio_encode.client import metric_value
 from trio_encode.encoder import EncoderSettings
+from trio_encode.engine import Write
 from trio_encode.tools.soak.drill import Call, CheckedImages, Rank, post
 from trio_encode.tools.soak.receiver import ReceiverProcess, open_receiver
 from trio_encode.tools.soak.server import ServerProcess, open_server_process
@@ -293,14 +294,14 @@ async def test_a_peer_frozen_at_first_contact_fails_alone_after_its_probe() -> N
         source = torch.ones(4096, dtype=torch.uint8)
         address = int(source.data_ptr())
         async with open_receiver(4096, "cold") as cold, open_receiver(4096, "known") as known:
-            await engine.transfer(known.session_id, [(address, 4096)], known.address)
+            await engine.transfer(Write(known.session_id, [(address, 4096)], known.address))
             cold.freeze()
             failed: list[float] = []
 
             async def to_cold() -> None:
                 began = time.monotonic()
                 with pytest.raises(EngineError) as error:
-                    await engine.transfer(cold.session_id, [(address, 4096)], cold.address)
+                    await engine.transfer(Write(cold.session_id, [(address, 4096)], cold.address))
                 assert "first-contact probe" in str(error.value)
                 failed.append(time.monotonic() - began)
 
@@ -309,12 +310,12 @@ async def test_a_peer_frozen_at_first_contact_fails_alone_after_its_probe() -> N
                 await trio.sleep(0.3)
                 for _ in range(3):
                     started = time.monotonic()
-                    await engine.transfer(known.session_id, [(address, 4096)], known.address)
+                    await engine.transfer(Write(known.session_id, [(address, 4096)], known.address))
                     assert time.monotonic() - started < 0.5
             assert len(failed) == 1
             assert failed[0] < 2.0
             cold.thaw()
-            await engine.transfer(cold.session_id, [(address, 4096)], cold.address)
+            await engine.transfer(Write(cold.session_id, [(address, 4096)], cold.address))
             assert await cold.check(0, 4096, [xxhash.xxh3_64_intdigest(bytes(source))], 4096)
 
 

@@ -14,7 +14,7 @@ import xxhash
 
 from trio_encode.arena import Arena, Segment
 from trio_encode.embedding import ArenaEmbedding
-from trio_encode.engine import EngineError
+from trio_encode.engine import EngineError, Write
 from trio_encode.engine.mooncake import MooncakeEngine, MooncakeSettings
 from trio_encode.ledger import RegistrationLedger
 from trio_encode.request_types import EmbeddingMemory, Receiver
@@ -49,7 +49,7 @@ async def test_a_paused_rank_receives_its_own_bytes_when_it_resumes_never_the_ne
             await ledger.acquire(arena.address, arena.nbytes, owner=arena)
             registry = ScopeRegistry(nursery, engine=engine, ledger=ledger, send_timeout=8)
             receiver = Receiver(rank.session_id, rank.address)
-            await engine.transfer(rank.session_id, [(arena.address, 4096)], rank.address)
+            await engine.transfer(Write(rank.session_id, [(arena.address, 4096)], rank.address))
 
             first = filled(arena, 1)
             own = xxhash.xxh3_64_intdigest(bytes(first[0].buffer))
@@ -90,13 +90,13 @@ async def test_a_cancelled_caller_stops_waiting_for_a_paused_rank_and_its_memory
             source = torch.full((SIZE,), 3, dtype=torch.uint8)
             address = int(source.data_ptr())
             await engine.register(address, SIZE)
-            await engine.transfer(rank.session_id, [(address, 4096)], rank.address)
+            await engine.transfer(Write(rank.session_id, [(address, 4096)], rank.address))
             rank.freeze()
             submitted = trio.Event()
             started = trio.current_time()
             with trio.move_on_after(1.0) as deadline:
                 await engine.transfer(
-                    rank.session_id, [(address, SIZE)], rank.address, submitted=submitted
+                    Write(rank.session_id, [(address, SIZE)], rank.address), submitted=submitted
                 )
             waited = trio.current_time() - started
             assert deadline.cancelled_caught

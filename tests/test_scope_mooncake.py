@@ -6,60 +6,42 @@ Real engines run their calls in worker threads, so these tests run on the real c
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import pytest
 import torch
 import trio
 
 from trio_encode.embedding import Embedding
-from trio_encode.engine import TransferEngine
+from trio_encode.engine import TransferEngine, Write
 from trio_encode.engine.mooncake import MooncakeEngine
 from trio_encode.ledger import RegistrationLedger
 from trio_encode.request_types import EmbeddingMemory, Encode, Receiver, SendReport
 from trio_encode.scopes import ScopeRegistry
+from trio_encode.testing.forwarding import ForwardingEngine
 
 MIB = 1 << 20
 
 
-@dataclass
-class CountingEngine:
+class CountingEngine(ForwardingEngine):
     """Forwards to a real engine and counts the calls the lifecycle makes."""
 
-    engine: TransferEngine
-    calls: dict[str, int] = field(
-        default_factory=lambda: {"register": 0, "deregister": 0, "transfer": 0}
-    )
-
-    @property
-    def session_id(self) -> str:
-        return self.engine.session_id
+    def __init__(self, engine: TransferEngine) -> None:
+        super().__init__(engine)
+        self.calls = {"register": 0, "deregister": 0, "transfer": 0}
 
     async def register(self, address: int, length: int) -> None:
         self.calls["register"] += 1
-        await self.engine.register(address, length)
+        await super().register(address, length)
 
     async def deregister(self, address: int) -> None:
         self.calls["deregister"] += 1
-        await self.engine.deregister(address)
+        await super().deregister(address)
 
-    async def transfer(
-        self,
-        session_id: str,
-        segments: Sequence[tuple[int, int]],
-        remote_address: int,
-        *,
-        submitted: trio.Event | None = None,
-    ) -> None:
+    async def transfer(self, write: Write, *, submitted: trio.Event | None = None) -> None:
         self.calls["transfer"] += 1
-        await self.engine.transfer(session_id, segments, remote_address, submitted=submitted)
-
-    def reading(self, address: int, length: int) -> bool:
-        return self.engine.reading(address, length)
-
-    async def settled(self, address: int, length: int) -> None:
-        await self.engine.settled(address, length)
+        await super().transfer(write, submitted=submitted)
 
 
 @dataclass

@@ -9,6 +9,7 @@ import trio
 
 from support.engines import RankEngines
 from trio_encode.encoder import EncoderSettings, load_backend
+from trio_encode.engine import Write
 from trio_encode.testing.identity import MARKER, Foreign, read_slot, tag, words
 from trio_encode.testing.images import natural_jpegs
 from trio_encode.testing.stamped_model import StampedModel
@@ -77,10 +78,10 @@ async def test_a_write_landing_in_a_slot_between_its_requests_is_caught_and_attr
         async with trio.open_nursery() as nursery, rank.slot(nursery) as slot:
             assert (await rank.clean(slot)).clean
         await rank_engines.server.transfer(
-            receiver.session_id, [(int(foreign.data_ptr()), 128)], slot.address + 1024
+            Write(receiver.session_id, [(int(foreign.data_ptr()), 128)], slot.address + 1024)
         )
         await rank_engines.server.transfer(
-            receiver.session_id, [(int(garbage.data_ptr()), 32)], slot.address + 3072
+            Write(receiver.session_id, [(int(garbage.data_ptr()), 32)], slot.address + 3072)
         )
         async with trio.open_nursery() as nursery, rank.slot(nursery) as again:
             assert again is slot

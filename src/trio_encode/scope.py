@@ -24,7 +24,7 @@ from typing import TypeVar
 
 import trio
 
-from trio_encode.engine import EngineError, TransferEngine
+from trio_encode.engine import EngineError, TransferEngine, Write
 from trio_encode.errors import (
     EncodeFailed,
     InternalError,
@@ -349,20 +349,17 @@ class RequestScope:
                     return  # withdrawn during the (shielded) register call: it never happened
                 started = trio.current_time()
                 receiver = attempt.receiver
-                nbytes = sum(length for _, length in segments)
                 # Withdrawable until the engine submits it: a cancelled call submits nothing.
-                await self._engine.transfer(
-                    receiver.session_id,
-                    segments,
-                    receiver.buffer_address,
-                    submitted=attempt.submitted,
-                )
+                write = Write(receiver.session_id, segments, receiver.buffer_address)
+                await self._engine.transfer(write, submitted=attempt.submitted)
                 transferred = True
             if not transferred:
                 return  # withdrawn while it waited for a thread or a slot: it never happened
             attempt.succeeded = True
-            self._bytes_sent += nbytes
-            self._observer.transfer_finished(self.req_id, nbytes, trio.current_time() - started)
+            self._bytes_sent += write.nbytes
+            self._observer.transfer_finished(
+                self.req_id, write.nbytes, trio.current_time() - started
+            )
             self._done.add(attempt.receiver)
             attempt.receivers_done = len(self._done)
             if self.receive_count is not None and len(self._done) >= self.receive_count:

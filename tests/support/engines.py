@@ -7,13 +7,13 @@ and threads. A missing Mooncake makes the tests that use them fail, never skip.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import trio
 
-from trio_encode.engine import EngineError
+from trio_encode.engine import Write
 from trio_encode.engine.mooncake import MooncakeEngine, MooncakeSettings, write_segments
+from trio_encode.testing.forwarding import ForwardingEngine
 
 TP = 4
 DEAD_SESSION = "127.0.0.1:1"
@@ -35,50 +35,22 @@ async def create_rank_engines() -> RankEngines:
     return RankEngines(server, tuple(ranks))
 
 
-class DelayedTransferEngine:
+class DelayedTransferEngine(ForwardingEngine):
     """A Mooncake engine whose transfers first sleep ``delay`` seconds in the *same* worker
     thread: a transfer that is really in flight, which no cancellation can interrupt."""
 
     def __init__(self, engine: MooncakeEngine, delay: float) -> None:
-        self.engine = engine
+        super().__init__(engine)
+        self.raw = engine.raw
         self.delay = delay
 
-    @property
-    def session_id(self) -> str:
-        return self.engine.session_id
-
-    async def register(self, address: int, length: int) -> None:
-        await self.engine.register(address, length)
-
-    async def deregister(self, address: int) -> None:
-        await self.engine.deregister(address)
-
-    async def transfer(
-        self,
-        session_id: str,
-        segments: Sequence[tuple[int, int]],
-        remote_address: int,
-        *,
-        submitted: trio.Event | None = None,
-    ) -> None:
+    async def transfer(self, write: Write, *, submitted: trio.Event | None = None) -> None:
         def slow_write() -> int:
             time.sleep(self.delay)
-            code, pending = write_segments(self.engine.raw, session_id, segments, remote_address)
+            code, pending = write_segments(self.raw, write)
             assert not pending, "these tests' transfers end within the engine's timeout"
             return code
 
         code = await trio.to_thread.run_sync(slow_write, abandon_on_cancel=False)
-        self._check(code, session_id, remote_address)
-
-    def reading(self, address: int, length: int) -> bool:
-        return self.engine.reading(address, length)
-
-    async def settled(self, address: int, length: int) -> None:
-        await self.engine.settled(address, length)
-
-    @staticmethod
-    def _check(code: int, session_id: str, remote_address: int) -> None:
         if code != 0:
-            raise EngineError(
-                "transfer", code, session_id=session_id, remote_address=remote_address
-            )
+            raise write.failed(code, "in a delayed transfer")

@@ -6,7 +6,7 @@ transfers, deregisters, and sets the embedding to ``None``, each sibling on its 
 
 from __future__ import annotations
 
-from trio_encode.engine import TransferEngine
+from trio_encode.engine import TransferEngine, Write
 from trio_encode.request_types import EmbeddingMemory, Receiver
 
 
@@ -26,9 +26,11 @@ class NaiveScope:
         await self._engine.register(embedding.address, embedding.nbytes)
         try:
             await self._engine.transfer(
-                receiver.session_id,
-                [(embedding.address, embedding.nbytes)],
-                receiver.buffer_address,
+                Write(
+                    receiver.session_id,
+                    [(embedding.address, embedding.nbytes)],
+                    receiver.buffer_address,
+                )
             )
         finally:
             await self._engine.deregister(embedding.address)

@@ -8,6 +8,7 @@ from trio_encode.engine.base import (
     TRANSFER_FAILED,
     EngineError,
     TransferEngine,
+    Write,
     engine_code_meaning,
 )
 
@@ -18,5 +19,6 @@ __all__ = [
     "TRANSFER_FAILED",
     "EngineError",
     "TransferEngine",
+    "Write",
     "engine_code_meaning",
 ]

@@ -94,6 +94,32 @@ class EngineError(Exception):
         return ", ".join(parts)
 
 
+@dataclass(frozen=True)
+class Write:
+    """What one transfer call writes: ``segments`` (local address, length), back to back, into
+    ``session_id``'s registered memory from ``remote_address`` on."""
+
+    session_id: str
+    segments: Sequence[tuple[int, int]]
+    remote_address: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(length for _, length in self.segments)
+
+    def failed(self, code: int, detail: str) -> EngineError:
+        """The :class:`EngineError` for this write failing with ``code``."""
+        return EngineError(
+            "transfer",
+            code,
+            address=self.segments[0][0] if self.segments else None,
+            remote_address=self.remote_address,
+            length=self.nbytes,
+            session_id=self.session_id,
+            detail=detail,
+        )
+
+
 @runtime_checkable
 class TransferEngine(Protocol):
     """What a request scope needs from a transfer engine.
@@ -116,18 +142,10 @@ class TransferEngine(Protocol):
         """Release the registration that starts at ``address``; -3 if there is none."""
         ...
 
-    async def transfer(
-        self,
-        session_id: str,
-        segments: Sequence[tuple[int, int]],
-        remote_address: int,
-        *,
-        submitted: trio.Event | None = None,
-    ) -> None:
-        """Write ``segments`` (local address, length) back to back into ``session_id``'s
-        memory from ``remote_address`` on, as one call: every segment is in flight at once.
+    async def transfer(self, write: Write, *, submitted: trio.Event | None = None) -> None:
+        """Do ``write`` as one call: every segment is in flight at once.
 
-        Waiting for a thread (or a slot of ``session_id``'s bound) is cancellable, and a
+        Waiting for a thread (or a slot of the receiver's bound) is cancellable, and a
         caller cancelled then gets ``trio.Cancelled`` with nothing submitted. ``submitted`` is
         set the moment the call is bound to submit (no checkpoint lies between). From then on
         it returns when every segment has landed, or raises :class:`EngineError` when one

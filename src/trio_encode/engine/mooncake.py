@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -36,7 +36,7 @@ from pydantic import AfterValidator
 from pydantic.dataclasses import dataclass as settings_dataclass
 
 from trio_encode.declare import SETTINGS, in_group
-from trio_encode.engine.base import TRANSFER_FAILED, EngineError, engine_code_meaning
+from trio_encode.engine.base import TRANSFER_FAILED, EngineError, Write, engine_code_meaning
 from trio_encode.engine.threads import EngineThreads, ThreadSettings, run_in_thread
 
 log = logging.getLogger(__name__)
@@ -144,27 +144,24 @@ class Batch:
 
 
 def write_segments(
-    raw: Any,
-    session_id: str,
-    segments: Sequence[tuple[int, int]],
-    remote_address: int,
-    stop: threading.Event | None = None,
+    raw: Any, write: Write, stop: threading.Event | None = None
 ) -> tuple[int, list[Batch]]:
-    """In a worker thread: write ``segments`` (local address, length) one after another into
-    ``remote_address`` onwards; ``(code, pending)`` as :func:`wait_until_done` answers, code
-    the first failure's. Every segment is submitted before any is waited for, so they travel
-    together; a refused submission ends the call: no later segment is submitted, and the
-    refused one (it has no batch) is never asked about. Once ``stop`` is set no further
-    segment is submitted and the wait ends."""
+    """In a worker thread: do ``write``, one segment after another; ``(code, pending)`` as
+    :func:`wait_until_done` answers, code the first failure's. Every segment is submitted
+    before any is waited for, so they travel together; a refused submission ends the call: no
+    later segment is submitted, and the refused one (it has no batch) is never asked about.
+    Once ``stop`` is set no further segment is submitted and the wait ends."""
     batches: list[Batch] = []
     code = 0
     offset = 0
-    for address, length in segments:
+    for address, length in write.segments:
         if stop is not None and stop.is_set():
             code = TRANSFER_FAILED  # the caller's end came: submit no more
             break
         batch_id = int(
-            raw.transfer_submit_write(session_id, address, remote_address + offset, length)
+            raw.transfer_submit_write(
+                write.session_id, address, write.remote_address + offset, length
+            )
         )
         offset += length
         if not _submitted(batch_id):
@@ -387,32 +384,24 @@ class MooncakeEngine:
         if code != 0:
             raise EngineError("deregister", int(code), address=address, session_id=self.session_id)
 
-    async def transfer(
-        self,
-        session_id: str,
-        segments: Sequence[tuple[int, int]],
-        remote_address: int,
-        *,
-        submitted: trio.Event | None = None,
-    ) -> None:
-        """Write ``segments`` (local address, length), in order and back to back, into
-        ``session_id``'s registered memory from ``remote_address`` on, and wait until every
-        byte has landed. All are submitted before any is awaited, so a multi-image
-        embedding needs no concatenation. Waits for a thread of the transfer pool and a slot
-        of ``session_id``'s own bound first (see :mod:`trio_encode.engine.threads`); a caller
+    async def transfer(self, write: Write, *, submitted: trio.Event | None = None) -> None:
+        """Write ``write``'s segments, in order and back to back, and wait until every byte
+        has landed. All are submitted before any is awaited, so a multi-image embedding
+        needs no concatenation. Waits for a thread of the transfer pool and a slot of the
+        receiver's own bound first (see :mod:`trio_encode.engine.threads`); a caller
         cancelled while waiting submits nothing. ``submitted`` is set as the thread starts.
 
         If the wait times out (``transfer_timeout``) while submissions still run, or the
         caller is cancelled meanwhile (its deadline, a shutdown: the thread stops waiting
         within a poll's pause, ~1 ms, and the caller gets ``trio.Cancelled``), the source
         ranges stay :meth:`reading` until Mooncake reports every one ended."""
-        segments = list(segments)
+        session_id, segments = write.session_id, list(write.segments)
         if session_id not in self._contacted:
             await self._first_contact(session_id)
         stop = threading.Event()
         async with self.threads.session_slot(session_id):
             code, pending = await run_in_thread(
-                partial(write_segments, self._raw, session_id, segments, remote_address, stop),
+                partial(write_segments, self._raw, replace(write, segments=segments), stop),
                 self.threads.transfers,
                 starting=None if submitted is None else submitted.set,
                 on_cancel=stop.set,
@@ -429,15 +418,7 @@ class MooncakeEngine:
         if stop.is_set() and (pending or code != 0):
             await trio.lowlevel.checkpoint()  # the caller's cancellation, not an engine error
         if code != 0:
-            raise EngineError(
-                "transfer",
-                int(code),
-                address=segments[0][0] if segments else None,
-                remote_address=remote_address,
-                length=sum(length for _, length in segments),
-                session_id=session_id,
-                detail=detail,
-            )
+            raise write.failed(int(code), detail)
         self._contacted.add(session_id)
 
     async def _first_contact(self, session_id: str) -> None:

@@ -32,11 +32,12 @@ import trio
 import trio.testing
 from trio._core import _run as _trio_run
 
-from trio_encode.engine import TRANSFER_FAILED, EngineError
+from trio_encode.engine import TRANSFER_FAILED, EngineError, Write
 from trio_encode.errors import RequestError, RequestReleased
 from trio_encode.observer import NullObserver
 from trio_encode.request_types import EmbeddingMemory, Receiver
 from trio_encode.service import Encoder, EncodeService, PassThroughEncoder, ServiceSettings
+from trio_encode.testing.forwarding import ForwardingEngine
 from trio_encode.testing.memory_engine import (
     CALL_KINDS,
     CallKind,
@@ -319,7 +320,7 @@ class _ThreadLikeEncoder(PassThroughEncoder):
         return embedding
 
 
-class _RecordingEngine:
+class _RecordingEngine(ForwardingEngine):
     """The service's engine: forwards to an in-memory engine, makes seeded calls fail (as
     Mooncake's -1, without effect), and appends every completed write to the run's ordered
     log, right when its bytes have landed."""
@@ -327,7 +328,8 @@ class _RecordingEngine:
     def __init__(
         self, engine: InMemoryEngine, log: list[tuple[str, Receiver]], schedule: Schedule
     ) -> None:
-        self.engine = engine
+        super().__init__(engine)
+        self._memory = engine
         self._log = log
         self._rate = schedule.fault_rate
         self._streams = {
@@ -337,49 +339,32 @@ class _RecordingEngine:
         self.failed_registers = 0
         self._failed_deregistrations: set[int] = set()
 
-    @property
-    def session_id(self) -> str:
-        return self.engine.session_id
-
     async def _maybe_fail(self, kind: CallKind) -> bool:
         # Decide only once the call is sure to start (a cancelled caller never starts one),
         # so the failure scripted here is the one this call consumes.
         await trio.lowlevel.checkpoint_if_cancelled()
         if self._rate <= 0 or self._streams[kind].random() >= self._rate:
             return False
-        self.engine.fail_next(kind, TRANSFER_FAILED)
+        self._memory.fail_next(kind, TRANSFER_FAILED)
         return True
 
     async def register(self, address: int, length: int) -> None:
         if await self._maybe_fail("register"):
             self.failed_registers += 1
-        await self.engine.register(address, length)
+        await super().register(address, length)
 
     async def deregister(self, address: int) -> None:
         # A failed deregistration is transient: asked again, the engine releases the memory.
         if address not in self._failed_deregistrations and await self._maybe_fail("deregister"):
             self._failed_deregistrations.add(address)
-        await self.engine.deregister(address)
+        await super().deregister(address)
 
-    async def transfer(
-        self,
-        session_id: str,
-        segments: Sequence[tuple[int, int]],
-        remote_address: int,
-        *,
-        submitted: trio.Event | None = None,
-    ) -> None:
-        receiver = Receiver(session_id, remote_address)
+    async def transfer(self, write: Write, *, submitted: trio.Event | None = None) -> None:
+        receiver = Receiver(write.session_id, write.remote_address)
         if await self._maybe_fail("transfer"):
             self.failed_transfers[receiver] += 1
-        await self.engine.transfer(session_id, segments, remote_address, submitted=submitted)
+        await super().transfer(write, submitted=submitted)
         self._log.append(("wrote", receiver))
-
-    def reading(self, address: int, length: int) -> bool:
-        return self.engine.reading(address, length)
-
-    async def settled(self, address: int, length: int) -> None:
-        await self.engine.settled(address, length)
 
 
 class _StepCanceller(trio.abc.Instrument):

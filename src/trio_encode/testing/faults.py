@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import random
 from collections import Counter
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -31,7 +30,9 @@ from trio_encode.engine.base import (
     EngineCall,
     EngineError,
     TransferEngine,
+    Write,
 )
+from trio_encode.testing.forwarding import ForwardingEngine
 
 if TYPE_CHECKING:
     from trio_encode.encoder import VisionModel
@@ -113,19 +114,15 @@ def _number(text: str, name: str) -> float:
 _INJECTED = "injected by --engine-faults"
 
 
-class FaultyEngine:
+class FaultyEngine(ForwardingEngine):
     """``engine`` with :class:`FaultPlan`'s fraction of calls refused before they reach it."""
 
     def __init__(self, engine: TransferEngine, plan: FaultPlan) -> None:
-        self.engine = engine
+        super().__init__(engine)
         self.plan = plan
         self.injected: Counter[EngineCall] = Counter()
         """Failures injected so far, by call."""
         self._random = random.Random(plan.seed)
-
-    @property
-    def session_id(self) -> str:
-        return self.engine.session_id
 
     def _fails(self, call: EngineCall) -> bool:
         rate = self.plan.rate(call)
@@ -144,7 +141,7 @@ class FaultyEngine:
                 session_id=self.session_id,
                 detail=_INJECTED,
             )
-        await self.engine.register(address, length)
+        await super().register(address, length)
 
     async def deregister(self, address: int) -> None:
         if self._fails("deregister"):
@@ -155,33 +152,12 @@ class FaultyEngine:
                 session_id=self.session_id,
                 detail=_INJECTED,
             )
-        await self.engine.deregister(address)
+        await super().deregister(address)
 
-    async def transfer(
-        self,
-        session_id: str,
-        segments: Sequence[tuple[int, int]],
-        remote_address: int,
-        *,
-        submitted: trio.Event | None = None,
-    ) -> None:
+    async def transfer(self, write: Write, *, submitted: trio.Event | None = None) -> None:
         if self._fails("transfer"):
-            raise EngineError(
-                "transfer",
-                INJECTED_CODES["transfer"],
-                address=segments[0][0] if segments else None,
-                remote_address=remote_address,
-                length=sum(length for _, length in segments),
-                session_id=session_id,
-                detail=_INJECTED,
-            )
-        await self.engine.transfer(session_id, segments, remote_address, submitted=submitted)
-
-    def reading(self, address: int, length: int) -> bool:
-        return self.engine.reading(address, length)
-
-    async def settled(self, address: int, length: int) -> None:
-        await self.engine.settled(address, length)
+            raise write.failed(INJECTED_CODES["transfer"], _INJECTED)
+        await super().transfer(write, submitted=submitted)
 
 
 def _fault_plan(value: Any) -> Any:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Literal
@@ -38,6 +38,7 @@ from trio_encode.engine.base import (
     INVALID_ADDRESS,
     TRANSFER_FAILED,
     EngineError,
+    Write,
 )
 from trio_encode.engine.threads import EngineThreads, ThreadSettings
 from trio_encode.testing.costs import CostModel
@@ -329,19 +330,12 @@ class InMemoryEngine:
             await self._run_shielded(call)
         self._finish(call, code)
 
-    async def transfer(
-        self,
-        session_id: str,
-        segments: Sequence[tuple[int, int]],
-        remote_address: int,
-        *,
-        submitted: trio.Event | None = None,
-    ) -> None:
-        """Copy each of ``segments`` (local address, length), back to back, into engine
-        ``session_id``'s memory from ``remote_address`` on: one recorded call per segment, in
-        order, each copying at its end if both its ranges are still registered then.
+    async def transfer(self, write: Write, *, submitted: trio.Event | None = None) -> None:
+        """Copy each of ``write``'s segments, back to back, into the receiving engine's memory:
+        one recorded call per segment, in order, each copying at its end if both its ranges
+        are still registered then.
 
-        Waiting for a thread and a slot of ``session_id``'s bound is cancellable; then
+        Waiting for a thread and a slot of the receiver's bound is cancellable; then
         ``submitted`` is set, and the first segment starts and the rest run too, whatever
         happens to the caller (Mooncake has them all submitted); the first failure is raised
         after the last has ended. A caller cancelled while a segment hangs in a frozen peer
@@ -351,6 +345,7 @@ class InMemoryEngine:
         await trio.lowlevel.checkpoint_if_cancelled()
         failure: EngineError | None = None
         stopped: trio.Cancelled | None = None
+        session_id, remote_address = write.session_id, write.remote_address
         async with (
             self._scripted("transfer") as first,
             self.threads.session_slot(session_id),
@@ -359,7 +354,7 @@ class InMemoryEngine:
             if submitted is not None:
                 submitted.set()
             offset = 0
-            for index, (address, length) in enumerate(segments):
+            for index, (address, length) in enumerate(write.segments):
                 try:
                     if index == 0:
                         await self._transfer_one(

@@ -19,6 +19,7 @@ from contextlib import AsyncExitStack
 import numpy as np
 import trio
 
+from trio_encode.engine import Write
 from trio_encode.engine.mooncake import MooncakeEngine, MooncakeSettings
 from trio_encode.tools.soak.receiver import open_receiver
 
@@ -40,14 +41,14 @@ async def measure(bound: int, tp: int, in_flight: int, sends: int) -> tuple[floa
             for r in range(tp)
         ]
         for rank in ranks:  # first contact (a probe and a handshake) outside the clock
-            await engine.transfer(rank.session_id, [(address, NBYTES)], rank.address)
+            await engine.transfer(Write(rank.session_id, [(address, NBYTES)], rank.address))
 
         async def sender(k: int) -> None:
             rank = ranks[k % tp]
             slot = rank.address + (k // tp) * NBYTES
             for _ in range(sends):
                 began = time.perf_counter()
-                await engine.transfer(rank.session_id, [(address, NBYTES)], slot)
+                await engine.transfer(Write(rank.session_id, [(address, NBYTES)], slot))
                 took.append(time.perf_counter() - began)
 
         began = time.perf_counter()

@@ -22,7 +22,7 @@ import trio
 from trio_encode.client import EncodeClient
 from trio_encode.client.http import answer_of
 from trio_encode.encoder import Prepared, VisionModel
-from trio_encode.engine import TransferEngine
+from trio_encode.engine import TransferEngine, Write
 from trio_encode.server.metrics import Metrics
 from trio_encode.testing.images import image_uri, noise_pngs
 from trio_encode.tools.bench.load import LoadProcess
@@ -61,7 +61,7 @@ async def raw_transfers(
 
     async def stream(session_id: str, address: int) -> None:
         for _ in range(count):
-            await engine.transfer(session_id, [(source, nbytes)], address)
+            await engine.transfer(Write(session_id, [(source, nbytes)], address))
 
     start = time.perf_counter()
     async with trio.open_nursery() as nursery:
