@@ -3,6 +3,8 @@
 - :mod:`~trio_encode.testing.memory_engine`: an in-memory transfer engine with Mooncake's
   rules (and the RDMA one TCP cannot show), thread pools, scripted latencies, failures, gates
   and frozen peers, for deterministic tests on Trio's mock clock;
+- :mod:`~trio_encode.testing.forwarding`: the base of engine wrappers that watch or fail some
+  calls and forward the rest;
 - :mod:`~trio_encode.testing.stand_in_encoder`: an encoder whose embedding is a pure function
   of the image bytes, so a test knows what every receiver must hold;
 - :mod:`~trio_encode.testing.images`: seeded test images (noise, solid colours, photo-like
