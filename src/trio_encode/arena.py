@@ -112,23 +112,15 @@ class Arena:
         """At most this many bytes stay cached once no request leases them (0: none)."""
         self._free = FreeRanges(self.nbytes)
         self._cached: OrderedDict[Hashable, Segment] = OrderedDict()  # LRU first
-        self._leased_bytes = 0
-        self._cached_bytes = 0
+        self.leased_bytes = 0
+        """Bytes of segments that a request (or a forward writing them) holds now."""
+        self.cached_bytes = 0
+        """Bytes of segments kept under a key (leased or not)."""
         self._released = trio.Event()
         self.fallbacks = 0
         """Times an embedding could not be placed in the arena and took the per-request path."""
 
     # -- what the gauges read -----------------------------------------------------------------
-
-    @property
-    def leased_bytes(self) -> int:
-        """Bytes of segments that a request (or a forward writing them) holds now."""
-        return self._leased_bytes
-
-    @property
-    def cached_bytes(self) -> int:
-        """Bytes of segments kept under a key (leased or not)."""
-        return self._cached_bytes
 
     @property
     def free_bytes(self) -> int:
@@ -158,7 +150,7 @@ class Arena:
         while (offset := self._free.take(size)) is None:
             if not self._evict_one():
                 return None
-        self._leased_bytes += size
+        self.leased_bytes += size
         return Segment(self, offset, nbytes)
 
     async def allocate_by(self, nbytes: int, deadline: float) -> Segment | None:
@@ -176,7 +168,7 @@ class Arena:
         if segment.freed:
             raise RuntimeError("cannot lease a freed segment")
         if segment.leases == 0:
-            self._leased_bytes += _reserved(segment.nbytes)
+            self.leased_bytes += _reserved(segment.nbytes)
         segment.leases += 1
 
     def release(self, segment: Segment) -> None:
@@ -187,7 +179,7 @@ class Arena:
         if segment.leases > 0:
             return
         size = _reserved(segment.nbytes)
-        self._leased_bytes -= size
+        self.leased_bytes -= size
         if segment.key is not None:
             self._trim_cache()
         else:
@@ -206,7 +198,7 @@ class Arena:
             return segment
         segment.key = key
         self._cached[key] = segment
-        self._cached_bytes += _reserved(segment.nbytes)
+        self.cached_bytes += _reserved(segment.nbytes)
         self._trim_cache()
         return segment
 
@@ -242,7 +234,7 @@ class Arena:
     def _forget(self, key: Hashable, segment: Segment) -> None:
         del self._cached[key]
         segment.key = None
-        self._cached_bytes -= _reserved(segment.nbytes)
+        self.cached_bytes -= _reserved(segment.nbytes)
         if segment.leases == 0:
             self._give_back(segment)
 

@@ -95,20 +95,31 @@ class _Attempt:
     """Why it failed, kept without its traceback; each waiter raises its own copy."""
 
 
+@dataclass(frozen=True)
+class ScopeParts:
+    """What every request scope of a server shares."""
+
+    engine: TransferEngine
+    """Sends the embedding to the receivers."""
+    ledger: RegistrationLedger
+    """Registers the embedding's memory, once however many siblings send it."""
+    observer: LifecycleObserver
+    """Told of the scope's life: its transfers, engine errors and end."""
+
+
 class RequestScope:
     """The state and task of one ``req_id``. Created by :meth:`ScopeRegistry.open`."""
 
     def __init__(
         self,
         req_id: str,
+        parts: ScopeParts,
         *,
         receive_count: int | None,
         deadline: float,
         encode: Encode,
-        engine: TransferEngine,
-        ledger: RegistrationLedger,
-        observer: LifecycleObserver,
     ) -> None:
+        self._engine, self._ledger, self._observer = parts.engine, parts.ledger, parts.observer
         self.req_id = req_id
         self.receive_count = receive_count
         """How many distinct receivers end the scope; ``None`` until a call names it."""
@@ -117,9 +128,6 @@ class RequestScope:
         self.end_reason: EndReason | None = None
         self._encode: Encode | None = encode
         """Dropped once the encode ran: it holds the request's image bytes."""
-        self._engine = engine
-        self._ledger = ledger
-        self._observer = observer
         self._embedding: EmbeddingMemory | None = None
         self._failure: Failure | None = None
         self._started = trio.Event()

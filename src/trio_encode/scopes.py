@@ -21,7 +21,7 @@ from trio_encode.errors import RequestReleased, ShuttingDown, UnknownRequest
 from trio_encode.ledger import RegistrationLedger
 from trio_encode.observer import LifecycleObserver, NullObserver
 from trio_encode.request_types import EmbeddingShape, Encode, EndReason, Receiver, SendReport
-from trio_encode.scope import Failure, RequestScope
+from trio_encode.scope import Failure, RequestScope, ScopeParts
 
 # Ends that leave no tombstone: the same req_id may be tried again at once.
 _FORGOTTEN: frozenset[EndReason] = frozenset({"invalid_input", "refused"})
@@ -55,9 +55,7 @@ class ScopeRegistry:
         if not send_timeout > 0 or math.isinf(send_timeout):
             raise ValueError("send_timeout must be a positive number of seconds")
         self._nursery = nursery
-        self._engine = engine
-        self._ledger = ledger
-        self._observer: LifecycleObserver = observer or NullObserver()
+        self._parts = ScopeParts(engine, ledger, observer or NullObserver())
         self.send_timeout = send_timeout
         self._scopes: dict[str, RequestScope] = {}
         self._released: OrderedDict[str, _Tombstone] = OrderedDict()
@@ -91,12 +89,10 @@ class ScopeRegistry:
         self.refuse_if_closed(req_id)
         scope = RequestScope(
             req_id,
+            self._parts,
             receive_count=receive_count,
             deadline=trio.current_time() + self.send_timeout,
             encode=encode,
-            engine=self._engine,
-            ledger=self._ledger,
-            observer=self._observer,
         )
         self._scopes[req_id] = scope
         with trio.CancelScope(shield=True):

@@ -305,8 +305,11 @@ class MooncakeEngine:
     """
 
     def __init__(self, raw: Any, settings: MooncakeSettings) -> None:
-        self._raw = raw
-        self._settings = settings
+        self.raw = raw
+        """The underlying ``mooncake.engine.TransferEngine``, for what this interface omits
+        (reads, batch calls, topology)."""
+        self.settings = settings
+        """The settings this engine was initialised with."""
         # With P2P handshakes peers name an engine by host and RPC port; with a metadata
         # server, by the name it registered there (the hostname it was initialised with).
         if settings.metadata_server == P2P_HANDSHAKE:
@@ -355,21 +358,10 @@ class MooncakeEngine:
         handshakes, the hostname with a metadata server."""
         return self._session_id
 
-    @property
-    def settings(self) -> MooncakeSettings:
-        """The settings this engine was initialised with."""
-        return self._settings
-
-    @property
-    def raw(self) -> Any:
-        """The underlying ``mooncake.engine.TransferEngine``, for what this interface omits
-        (reads, batch calls, topology)."""
-        return self._raw
-
     async def register(self, address: int, length: int) -> None:
         """Register ``[address, address + length)``; -7 if it overlaps a live registration."""
         code = await run_in_thread(
-            partial(self._raw.register_memory, address, length), self.threads.control
+            partial(self.raw.register_memory, address, length), self.threads.control
         )
         if code != 0:
             raise EngineError(
@@ -379,7 +371,7 @@ class MooncakeEngine:
     async def deregister(self, address: int) -> None:
         """Release the registration starting at ``address``; -3 if none starts there."""
         code = await run_in_thread(
-            partial(self._raw.unregister_memory, address), self.threads.control
+            partial(self.raw.unregister_memory, address), self.threads.control
         )
         if code != 0:
             raise EngineError("deregister", int(code), address=address, session_id=self.session_id)
@@ -401,7 +393,7 @@ class MooncakeEngine:
         stop = threading.Event()
         async with self.threads.session_slot(session_id):
             code, pending = await run_in_thread(
-                partial(write_segments, self._raw, replace(write, segments=segments), stop),
+                partial(write_segments, self.raw, replace(write, segments=segments), stop),
                 self.threads.transfers,
                 starting=None if submitted is None else submitted.set,
                 on_cancel=stop.set,
@@ -433,12 +425,12 @@ class MooncakeEngine:
         submitted. A peer that freezes between the probe and the handshake still stalls the
         engine (a window of a millisecond). With a metadata server there is no handshake.
         """
-        if self._settings.metadata_server != P2P_HANDSHAKE:
+        if self.settings.metadata_server != P2P_HANDSHAKE:
             return
-        timeout = self._settings.first_contact_timeout
+        timeout = self.settings.first_contact_timeout
         with trio.move_on_after(timeout):
             code = await trio.to_thread.run_sync(
-                self._raw.send_probe, session_id, abandon_on_cancel=True, limiter=self._probes
+                self.raw.send_probe, session_id, abandon_on_cancel=True, limiter=self._probes
             )
             if code == 0:
                 return
