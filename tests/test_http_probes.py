@@ -8,12 +8,13 @@ import threading
 import httpx
 import pytest
 import trio
+from prometheus_client import CollectorRegistry, Counter
 
 from support.engines import RankEngines
 from support.harness import http_server, landing_pools
 from trio_encode.client import metric_value
 from trio_encode.server.loading import LoadingEncoder
-from trio_encode.server.metrics import Metrics, build_versions
+from trio_encode.server.metrics import Exposed, Metrics, _Metric, build_versions
 from trio_encode.service import Encoder
 from trio_encode.testing.images import image_uri
 from trio_encode.testing.stand_in_encoder import StandInEncoder, embedding_size
@@ -158,3 +159,17 @@ def test_a_metric_is_an_attribute_so_a_misspelt_name_fails() -> None:
     assert metrics.exposed.requests_total is metrics.exposed.requests_total
     with pytest.raises(AttributeError):
         metrics.exposed.request_total  # type: ignore[attr-defined]  # noqa: B018
+
+
+def test_a_metrics_help_is_its_attributes_docstring_and_none_goes_without() -> None:
+    text = Metrics().render().decode()
+    assert (
+        "# HELP trio_encode_held_transfers Sends whose memory is held out of reuse because a "
+        "transfer the engine stopped waiting for may still read it.\n" in text
+    ), "a docstring over two lines is one line of help"
+
+    class Undocumented(Exposed):
+        forgotten = _Metric(Counter)
+
+    with pytest.raises(TypeError, match="forgotten is declared without a docstring"):
+        Undocumented(CollectorRegistry())

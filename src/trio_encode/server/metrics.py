@@ -10,7 +10,12 @@ dashboard of this server reads them.
 
 from __future__ import annotations
 
+import ast
+import functools
+import inspect
+import itertools
 import platform
+import textwrap
 from collections.abc import Sequence
 from importlib import metadata
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, cast, overload, runtime_checkable
@@ -88,20 +93,16 @@ _Kind = TypeVar("_Kind", Counter, Gauge, Histogram)
 
 
 class _Metric(Generic[_Kind]):
-    """One metric's declaration: its kind, help text, label names and (histograms) buckets; its
-    name, after the prefix, is the attribute it is declared as. On an :class:`Exposed` the
-    attribute is that registry's instance, so a misspelt name fails under mypy."""
+    """One metric's declaration: its kind, label names and (histograms) buckets; its name,
+    after the prefix, is the attribute it is declared as, and its help text that attribute's
+    docstring (as a setting's is). On an :class:`Exposed` the attribute is that registry's
+    instance, so a misspelt name fails under mypy."""
 
     def __init__(
-        self,
-        kind: type[_Kind],
-        help: str,
-        labels: tuple[str, ...] = (),
-        *,
-        buckets: tuple[float, ...] = (),
+        self, kind: type[_Kind], labels: tuple[str, ...] = (), *, buckets: tuple[float, ...] = ()
     ) -> None:
         self.kind: type[_Kind] = kind
-        self.help, self.labels, self.buckets = help, labels, buckets
+        self.labels, self.buckets = labels, buckets
         self.name = ""
 
     def __set_name__(self, owner: type[Exposed], name: str) -> None:
@@ -116,12 +117,29 @@ class _Metric(Generic[_Kind]):
             return self
         return cast(_Kind, exposed.__dict__[self.name])  # made by Exposed.__init__
 
-    def make(self, registry: CollectorRegistry) -> _Kind:
+    def make(self, help: str, registry: CollectorRegistry) -> _Kind:
         extra: dict[str, Any] = {"buckets": self.buckets} if self.kind is Histogram else {}
         made: _Kind = self.kind(
-            METRIC_PREFIX + self.name, self.help, self.labels, registry=registry, **extra
+            METRIC_PREFIX + self.name, help, self.labels, registry=registry, **extra
         )
         return made
+
+
+@functools.cache
+def attribute_docstrings(cls: type) -> dict[str, str]:
+    """The docstring under each attribute assigned in ``cls``'s body (a string literal right
+    after the assignment), as one line."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
+    assert isinstance(body, ast.ClassDef)
+    docs: dict[str, str] = {}
+    for node, after in itertools.pairwise(body.body):
+        match node, after:
+            case (
+                ast.Assign(targets=[ast.Name(id=name)]),
+                ast.Expr(value=ast.Constant(value=str(doc))),
+            ):
+                docs[name] = " ".join(doc.split())
+    return docs
 
 
 class Exposed:
@@ -129,131 +147,114 @@ class Exposed:
     exposition order, each declared once. A counter declared without ``_total`` is exposed
     with it."""
 
-    requests_total = _Metric(Counter, "Answered HTTP requests.", ("route", "status"))
-    request_seconds = _Metric(
-        Histogram,
-        "Time from a request's arrival to its answer, by route.",
-        ("route",),
-        buckets=_REQUEST_BUCKETS,
-    )
-    scope_seconds = _Metric(
-        Histogram,
-        "A request scope's life, from its first /encode to its release, by how it ended.",
-        ("reason",),
-        buckets=_SCOPE_BUCKETS,
-    )
-    encoder_queue_images = _Metric(Gauge, "Images waiting for a forward pass now.")
-    encode_seconds = _Metric(Histogram, "One encoder run.", buckets=_ENCODE_BUCKETS)
-    transfer_seconds = _Metric(
-        Histogram, "One transfer into a receiver.", buckets=_TRANSFER_BUCKETS
-    )
-    transfer_bytes = _Metric(Counter, "Bytes written into receivers.")
-    live_scopes = _Metric(Gauge, "Request scopes alive now.")
-    live_registrations = _Metric(Gauge, "Memory registrations held now.")
-    arena_registrations = _Metric(
-        Gauge,
-        "The arena's own registration: 1 while it is held (the server's whole life), "
-        "never counted in registrations_total or deregistrations_total.",
-    )
-    registrations = _Metric(
-        Counter, "Memory registrations made, the arena's left out (see arena_registrations)."
-    )
-    quarantined_registrations = _Metric(
-        Gauge,
-        "Registrations whose deregistration failed; their memory is kept and the "
-        "deregistration retried.",
-    )
-    quarantined_bytes = _Metric(Gauge, "Bytes kept alive by quarantined registrations.")
-    held_transfers = _Metric(
-        Gauge,
-        "Sends whose memory is held out of reuse because a transfer the engine stopped "
-        "waiting for may still read it.",
-    )
-    held_transfer_bytes = _Metric(
-        Gauge, "Bytes held out of reuse for transfers the engine stopped waiting for."
-    )
-    held_transfer_oldest_seconds = _Metric(Gauge, "Age of the oldest such hold (0 when none).")
-    held_transfers_overdue = _Metric(
-        Counter,
-        "Holds that outlived the engine's bound: the engine never reported the transfer "
-        "ended; the memory is kept, never reused.",
-    )
-    deregistrations = _Metric(
-        Counter,
-        "Memory registrations released, the arena's left out: equal to "
-        "registrations_total once idle.",
-    )
-    register_seconds = _Metric(
-        Histogram, "One memory registration (pinning, on RDMA).", buckets=_REGISTER_BUCKETS
-    )
-    deregister_seconds = _Metric(Histogram, "One memory deregistration.", buckets=_REGISTER_BUCKETS)
-    arena_bytes = _Metric(Gauge, "Size of the registered arena (0: none).")
-    arena_leased_bytes = _Metric(Gauge, "Arena bytes held by requests and forwards now.")
-    arena_cached_bytes = _Metric(Gauge, "Arena bytes kept as the embedding cache (leased or not).")
-    arena_fallbacks = _Metric(
-        Gauge,
-        "Requests whose embedding did not fit in the arena and was registered on its own "
-        "(a count since start).",
-    )
-    backstop_expiries = _Metric(Counter, "Scopes ended by their deadline.")
-    scopes_split = _Metric(
-        Counter,
-        "Scopes ended by their deadline after serving some but not all receivers: a "
-        "request split across encoders (or ranks that never sent).",
-    )
-    scopes_closed = _Metric(Counter, "Scopes ended, by reason.", ("reason",))
-    engine_errors = _Metric(
-        Counter, "Transfer-engine calls that returned an error.", ("call", "code")
-    )
-    completion_messages = _Metric(
-        Counter,
-        "SGLang completion messages pushed to prefill ranks, by kind (done, error) and "
-        "result (sent, failed).",
-        ("kind", "result"),
-    )
+    requests_total = _Metric(Counter, ("route", "status"))
+    """Answered HTTP requests."""
+    request_seconds = _Metric(Histogram, ("route",), buckets=_REQUEST_BUCKETS)
+    """Time from a request's arrival to its answer, by route."""
+    scope_seconds = _Metric(Histogram, ("reason",), buckets=_SCOPE_BUCKETS)
+    """A request scope's life, from its first /encode to its release, by how it ended."""
+    encoder_queue_images = _Metric(Gauge)
+    """Images waiting for a forward pass now."""
+    encode_seconds = _Metric(Histogram, buckets=_ENCODE_BUCKETS)
+    """One encoder run."""
+    transfer_seconds = _Metric(Histogram, buckets=_TRANSFER_BUCKETS)
+    """One transfer into a receiver."""
+    transfer_bytes = _Metric(Counter)
+    """Bytes written into receivers."""
+    live_scopes = _Metric(Gauge)
+    """Request scopes alive now."""
+    live_registrations = _Metric(Gauge)
+    """Memory registrations held now."""
+    arena_registrations = _Metric(Gauge)
+    """The arena's own registration: 1 while it is held (the server's whole life), never counted in
+    registrations_total or deregistrations_total."""
+    registrations = _Metric(Counter)
+    """Memory registrations made, the arena's left out (see arena_registrations)."""
+    quarantined_registrations = _Metric(Gauge)
+    """Registrations whose deregistration failed; their memory is kept and the deregistration
+    retried."""
+    quarantined_bytes = _Metric(Gauge)
+    """Bytes kept alive by quarantined registrations."""
+    held_transfers = _Metric(Gauge)
+    """Sends whose memory is held out of reuse because a transfer the engine stopped waiting for may
+    still read it."""
+    held_transfer_bytes = _Metric(Gauge)
+    """Bytes held out of reuse for transfers the engine stopped waiting for."""
+    held_transfer_oldest_seconds = _Metric(Gauge)
+    """Age of the oldest such hold (0 when none)."""
+    held_transfers_overdue = _Metric(Counter)
+    """Holds that outlived the engine's bound: the engine never reported the transfer ended; the
+    memory is kept, never reused."""
+    deregistrations = _Metric(Counter)
+    """Memory registrations released, the arena's left out: equal to registrations_total once
+    idle."""
+    register_seconds = _Metric(Histogram, buckets=_REGISTER_BUCKETS)
+    """One memory registration (pinning, on RDMA)."""
+    deregister_seconds = _Metric(Histogram, buckets=_REGISTER_BUCKETS)
+    """One memory deregistration."""
+    arena_bytes = _Metric(Gauge)
+    """Size of the registered arena (0: none)."""
+    arena_leased_bytes = _Metric(Gauge)
+    """Arena bytes held by requests and forwards now."""
+    arena_cached_bytes = _Metric(Gauge)
+    """Arena bytes kept as the embedding cache (leased or not)."""
+    arena_fallbacks = _Metric(Gauge)
+    """Requests whose embedding did not fit in the arena and was registered on its own (a count
+    since start)."""
+    backstop_expiries = _Metric(Counter)
+    """Scopes ended by their deadline."""
+    scopes_split = _Metric(Counter)
+    """Scopes ended by their deadline after serving some but not all receivers: a request split
+    across encoders (or ranks that never sent)."""
+    scopes_closed = _Metric(Counter, ("reason",))
+    """Scopes ended, by reason."""
+    engine_errors = _Metric(Counter, ("call", "code"))
+    """Transfer-engine calls that returned an error."""
+    completion_messages = _Metric(Counter, ("kind", "result"))
+    """SGLang completion messages pushed to prefill ranks, by kind (done, error) and result (sent,
+    failed)."""
     # The encoder's own events (EncoderObserver).
-    encoder_batch_size = _Metric(
-        Histogram, "Images per forward pass.", buckets=(1, 2, 4, 8, 16, 32, 64)
-    )
-    encoder_forward_seconds = _Metric(
-        Histogram, "One forward pass over a batch.", buckets=_ENCODE_BUCKETS
-    )
-    encoder_forward_failures = _Metric(Counter, "Forward passes that raised.")
-    encoder_queue_wait_seconds = _Metric(
-        Histogram, "Time an image waited for its forward pass.", buckets=_ENCODE_BUCKETS
-    )
-    encoder_cache_hits = _Metric(Counter, "Cached images.")
-    encoder_cache_misses = _Metric(Counter, "Images not in the cache.")
-    encoder_cache_bytes = _Metric(Gauge, "Bytes of embeddings cached.")
-    encoder_cache_entries = _Metric(Gauge, "Embeddings cached.")
-    encoder_cache_poisoned = _Metric(
-        Counter,
-        "Cached embeddings dropped because their bytes no longer matched the checksum "
-        "recorded when they were written (memory changed behind the encoder's back), by "
-        "where they were found (arena, cache, store).",
-        ("source",),
-    )
-    encoder_rejected_images = _Metric(Counter, "Images refused because the queue was full.")
+    encoder_batch_size = _Metric(Histogram, buckets=(1, 2, 4, 8, 16, 32, 64))
+    """Images per forward pass."""
+    encoder_forward_seconds = _Metric(Histogram, buckets=_ENCODE_BUCKETS)
+    """One forward pass over a batch."""
+    encoder_forward_failures = _Metric(Counter)
+    """Forward passes that raised."""
+    encoder_queue_wait_seconds = _Metric(Histogram, buckets=_ENCODE_BUCKETS)
+    """Time an image waited for its forward pass."""
+    encoder_cache_hits = _Metric(Counter)
+    """Cached images."""
+    encoder_cache_misses = _Metric(Counter)
+    """Images not in the cache."""
+    encoder_cache_bytes = _Metric(Gauge)
+    """Bytes of embeddings cached."""
+    encoder_cache_entries = _Metric(Gauge)
+    """Embeddings cached."""
+    encoder_cache_poisoned = _Metric(Counter, ("source",))
+    """Cached embeddings dropped because their bytes no longer matched the checksum recorded when
+    they were written (memory changed behind the encoder's back), by where they were found
+    (arena, cache, store)."""
+    encoder_rejected_images = _Metric(Counter)
+    """Images refused because the queue was full."""
     # The cluster-wide store's events (StoreObserver).
-    store_connected = _Metric(Gauge, "1 while connected to the Mooncake Store master, else 0.")
-    store_lookups = _Metric(
-        Counter,
-        "Images looked up in the cluster-wide store, by result (hit, miss, error, timeout, "
-        "unavailable, poisoned: read whole but not matching the checksum stored with it); all "
-        "but hit run the forward locally.",
-        ("result",),
-    )
-    store_puts = _Metric(
-        Counter,
-        "Embeddings offered to the cluster-wide store, by result (stored, failed, timeout, "
-        "dropped).",
-        ("result",),
-    )
+    store_connected = _Metric(Gauge)
+    """1 while connected to the Mooncake Store master, else 0."""
+    store_lookups = _Metric(Counter, ("result",))
+    """Images looked up in the cluster-wide store, by result (hit, miss, error, timeout,
+    unavailable, poisoned: read whole but not matching the checksum stored with it); all but hit
+    run the forward locally."""
+    store_puts = _Metric(Counter, ("result",))
+    """Embeddings offered to the cluster-wide store, by result (stored, failed, timeout,
+    dropped)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        for declared in vars(Exposed).values():
-            if isinstance(declared, _Metric):
-                self.__dict__[declared.name] = declared.make(registry)
+        for cls in reversed(type(self).__mro__[:-1]):  # Exposed, then what extends it
+            helps = attribute_docstrings(cls)
+            for declared in vars(cls).values():
+                if isinstance(declared, _Metric):
+                    if not helps.get(declared.name):
+                        raise TypeError(f"metric {declared.name} is declared without a docstring")
+                    self.__dict__[declared.name] = declared.make(helps[declared.name], registry)
 
 
 class Metrics:
