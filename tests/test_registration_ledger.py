@@ -119,3 +119,19 @@ async def test_lease_waiting_for_a_deregistration_blocks(
     finally:
         trio.lowlevel.remove_instrument(steps)
     assert steps.steps <= 4
+
+
+async def test_a_leases_repr_names_its_range_never_its_owner(fabric: InMemoryFabric) -> None:
+    """A lease shows up in logs and tracebacks; printing it must not print the embedding
+    its region keeps alive."""
+
+    class Embedding:
+        def __repr__(self) -> str:
+            return "EMBEDDING-BYTES"
+
+    ledger = RegistrationLedger(fabric.engine("encoder"))
+    memory = torch.zeros(NBYTES, dtype=torch.uint8)
+    lease = await ledger.acquire(int(memory.data_ptr()), NBYTES, owner=Embedding())
+    assert f"address={int(memory.data_ptr())}" in repr(lease)
+    assert "EMBEDDING-BYTES" not in repr(lease)
+    await ledger.release(lease)

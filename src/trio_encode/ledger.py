@@ -75,7 +75,7 @@ class Lease:
 
     address: int
     length: int
-    _region: _Region
+    _region: _Region = field(repr=False)  # its owners: a logged lease prints no embedding
     _owner_id: int = 0
     """``id`` of the owner this lease added to its region (not the owner itself: a lease
     reachable from a logged traceback must not keep an embedding alive)."""
