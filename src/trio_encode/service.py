@@ -196,6 +196,15 @@ class Part:
         return match.group(1)
 
 
+@dataclass(frozen=True)
+class Notify:
+    """Where a ``/send`` wants SGLang's completion message: the prefill rank's socket, and the
+    part of the request the send carries (used when its ``/encode`` named none)."""
+
+    endpoint: Endpoint
+    part_idx: int = 0
+
+
 _PART_ID = re.compile(r"^(.*)_local_part_([0-9]+)$")
 _FAMILY = "parts of\0"  # keys of failed families, apart from req_ids
 
@@ -278,7 +287,7 @@ class EncodeService:
         *,
         engine: TransferEngine,
         encoder: Encoder,
-        settings: ServiceSettings | None = None,
+        settings: ServiceSettings = ServiceSettings(),
         observer: LifecycleObserver | None = None,
     ) -> AsyncIterator[EncodeService]:
         """Open the service nursery, start the encoder, and on exit shut down gracefully."""
@@ -287,7 +296,7 @@ class EncodeService:
                 nursery=nursery,
                 engine=engine,
                 encoder=encoder,
-                settings=settings or ServiceSettings(),
+                settings=settings,
                 observer=observer or NullObserver(),
             )
             await nursery.start(service.ledger.run)
@@ -545,8 +554,7 @@ class EncodeService:
         receiver: Receiver,
         *,
         receive_count: int | None = None,
-        notify: Endpoint | None = None,
-        part_idx: int | None = None,
+        notify: Notify | None = None,
     ) -> SendReport:
         """Transfer ``req_id``'s embedding into ``receiver``; returns once the bytes landed
         and, when ``notify`` names a prefill rank, once that rank has SGLang's completion
@@ -566,7 +574,8 @@ class EncodeService:
         if repeat is not None:
             return repeat
         live = self._live.get(req_id)  # taken now: the scope may end before the push
-        part = live.part if live is not None else Part(max(1, (part_idx or 0) + 1), part_idx or 0)
+        asked = Part(notify.part_idx + 1, notify.part_idx) if notify is not None else Part()
+        part = live.part if live is not None else asked
         try:
             scope = self.registry.find_live(req_id)
             if scope is None:
@@ -577,7 +586,7 @@ class EncodeService:
             report = await scope.send(receiver)
         except RequestError as exc:
             if notify is not None:
-                self._push_error(notify, req_id, part, Failure.of(exc))
+                self._push_error(notify.endpoint, req_id, part, Failure.of(exc))
             raise
         if notify is not None and self.completions is not None and not report.repeat:
             shape = report.shape
@@ -590,7 +599,7 @@ class EncodeService:
                 dtype=shape.dtype,
             )
             try:
-                await self.completions.push(notify, message.to_bytes(), kind="done")
+                await self.completions.push(notify.endpoint, message.to_bytes(), kind="done")
             except CompletionFailed as exc:
                 exc.req_id = req_id
                 log.error("%s", exc.message, extra={"req_id": req_id})

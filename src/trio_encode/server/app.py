@@ -46,7 +46,7 @@ from trio_encode.server.schemas import (
     pull_answer,
     send_answer,
 )
-from trio_encode.service import EncodeService, Part
+from trio_encode.service import EncodeService, Notify, Part
 from trio_encode.settings import ServerSettings
 
 _PROTECTED = frozenset({"/encode", "/send", "/scheduler_receive_meta_data"})
@@ -202,8 +202,7 @@ def create_app(service: EncodeService, metrics: Metrics, settings: ServerSetting
                 body.req_id,
                 receiver,
                 receive_count=body.receive_count,
-                notify=body.endpoint,
-                part_idx=body.part_idx,
+                notify=None if body.endpoint is None else Notify(body.endpoint, body.part_idx or 0),
             )
         finally:
             sends_in_flight[client] -= 1
