@@ -143,33 +143,52 @@ def attribute_docstrings(cls: type) -> dict[str, str]:
 
 
 class Exposed:
-    """Every metric the server exposes (besides build_info and the process collectors), in
-    exposition order, each declared once. A counter declared without ``_total`` is exposed
-    with it."""
+    """Every metric the server exposes (besides build_info and the process collectors), each
+    declared once, grouped by what it watches (and exposed in this order). A counter declared
+    without ``_total`` is exposed with it."""
 
+    # HTTP answers.
     requests_total = _Metric(Counter, ("route", "status"))
     """Answered HTTP requests."""
     request_seconds = _Metric(Histogram, ("route",), buckets=_REQUEST_BUCKETS)
     """Time from a request's arrival to its answer, by route."""
+
+    # Request scopes.
+    live_scopes = _Metric(Gauge)
+    """Request scopes alive now."""
     scope_seconds = _Metric(Histogram, ("reason",), buckets=_SCOPE_BUCKETS)
     """A request scope's life, from its first /encode to its release, by how it ended."""
-    encoder_queue_images = _Metric(Gauge)
-    """Images waiting for a forward pass now."""
-    encode_seconds = _Metric(Histogram, buckets=_ENCODE_BUCKETS)
-    """One encoder run."""
+    scopes_closed = _Metric(Counter, ("reason",))
+    """Scopes ended, by reason."""
+    backstop_expiries = _Metric(Counter)
+    """Scopes ended by their deadline."""
+    scopes_split = _Metric(Counter)
+    """Scopes ended by their deadline after serving some but not all receivers: a request split
+    across encoders (or ranks that never sent)."""
+
+    # Transfers and SGLang's completion messages.
     transfer_seconds = _Metric(Histogram, buckets=_TRANSFER_BUCKETS)
     """One transfer into a receiver."""
     transfer_bytes = _Metric(Counter)
     """Bytes written into receivers."""
-    live_scopes = _Metric(Gauge)
-    """Request scopes alive now."""
+    engine_errors = _Metric(Counter, ("call", "code"))
+    """Transfer-engine calls that returned an error."""
+    completion_messages = _Metric(Counter, ("kind", "result"))
+    """SGLang completion messages pushed to prefill ranks, by kind (done, error) and result (sent,
+    failed)."""
+
+    # Memory registrations, and memory held for transfers the engine stopped waiting for.
     live_registrations = _Metric(Gauge)
     """Memory registrations held now."""
-    arena_registrations = _Metric(Gauge)
-    """The arena's own registration: 1 while it is held (the server's whole life), never counted in
-    registrations_total or deregistrations_total."""
     registrations = _Metric(Counter)
     """Memory registrations made, the arena's left out (see arena_registrations)."""
+    deregistrations = _Metric(Counter)
+    """Memory registrations released, the arena's left out: equal to registrations_total once
+    idle."""
+    register_seconds = _Metric(Histogram, buckets=_REGISTER_BUCKETS)
+    """One memory registration (pinning, on RDMA)."""
+    deregister_seconds = _Metric(Histogram, buckets=_REGISTER_BUCKETS)
+    """One memory deregistration."""
     quarantined_registrations = _Metric(Gauge)
     """Registrations whose deregistration failed; their memory is kept and the deregistration
     retried."""
@@ -185,13 +204,11 @@ class Exposed:
     held_transfers_overdue = _Metric(Counter)
     """Holds that outlived the engine's bound: the engine never reported the transfer ended; the
     memory is kept, never reused."""
-    deregistrations = _Metric(Counter)
-    """Memory registrations released, the arena's left out: equal to registrations_total once
-    idle."""
-    register_seconds = _Metric(Histogram, buckets=_REGISTER_BUCKETS)
-    """One memory registration (pinning, on RDMA)."""
-    deregister_seconds = _Metric(Histogram, buckets=_REGISTER_BUCKETS)
-    """One memory deregistration."""
+
+    # The arena.
+    arena_registrations = _Metric(Gauge)
+    """The arena's own registration: 1 while it is held (the server's whole life), never counted in
+    registrations_total or deregistrations_total."""
     arena_bytes = _Metric(Gauge)
     """Size of the registered arena (0: none)."""
     arena_leased_bytes = _Metric(Gauge)
@@ -201,19 +218,12 @@ class Exposed:
     arena_fallbacks = _Metric(Gauge)
     """Requests whose embedding did not fit in the arena and was registered on its own (a count
     since start)."""
-    backstop_expiries = _Metric(Counter)
-    """Scopes ended by their deadline."""
-    scopes_split = _Metric(Counter)
-    """Scopes ended by their deadline after serving some but not all receivers: a request split
-    across encoders (or ranks that never sent)."""
-    scopes_closed = _Metric(Counter, ("reason",))
-    """Scopes ended, by reason."""
-    engine_errors = _Metric(Counter, ("call", "code"))
-    """Transfer-engine calls that returned an error."""
-    completion_messages = _Metric(Counter, ("kind", "result"))
-    """SGLang completion messages pushed to prefill ranks, by kind (done, error) and result (sent,
-    failed)."""
-    # The encoder's own events (EncoderObserver).
+
+    # The encoder (encode_seconds is timed here; the rest are its own events, EncoderObserver).
+    encode_seconds = _Metric(Histogram, buckets=_ENCODE_BUCKETS)
+    """One encoder run."""
+    encoder_queue_images = _Metric(Gauge)
+    """Images waiting for a forward pass now."""
     encoder_batch_size = _Metric(Histogram, buckets=(1, 2, 4, 8, 16, 32, 64))
     """Images per forward pass."""
     encoder_forward_seconds = _Metric(Histogram, buckets=_ENCODE_BUCKETS)
@@ -236,6 +246,7 @@ class Exposed:
     (arena, cache, store)."""
     encoder_rejected_images = _Metric(Counter)
     """Images refused because the queue was full."""
+
     # The cluster-wide store's events (StoreObserver).
     store_connected = _Metric(Gauge)
     """1 while connected to the Mooncake Store master, else 0."""
