@@ -141,9 +141,7 @@ async def deployment(
             for r in range(ranks)
         ]
         http = await stack.enter_async_context(httpx.AsyncClient(base_url=server.url, timeout=60))
-        rigs = [
-            Rank(receiver, part, part, dirty_seconds=FROZEN_FAILS_WITHIN) for receiver in receivers
-        ]
+        rigs = [Rank(receiver, part, dirty_seconds=FROZEN_FAILS_WITHIN) for receiver in receivers]
         yield Deployment(server, rigs, http, workload, nursery)
         # Slots answered 200 are checked for late writes once they have rested; then stop.
         if rigs:
@@ -213,7 +211,6 @@ async def test_a_frozen_tp4_node_leaves_the_threads_another_node_needs(
                             open_receiver(8 * part, name=f"a{r}", host="127.0.0.2")
                         ),
                         part,
-                        part,
                         dirty_seconds=FROZEN_FAILS_WITHIN,
                     )
                     for r in range(4)
@@ -222,7 +219,6 @@ async def test_a_frozen_tp4_node_leaves_the_threads_another_node_needs(
                     await stack.enter_async_context(
                         open_receiver(8 * part, name="b0", host="127.0.0.3")
                     ),
-                    part,
                     part,
                     dirty_seconds=FROZEN_FAILS_WITHIN,
                 )
@@ -329,7 +325,7 @@ async def test_a_rank_frozen_at_first_contact_delays_no_other_request(
         async with deployment(workload, ranks=2) as d:
             part = workload.bytes_per_image
             async with open_receiver(8 * part, name="cold") as receiver:
-                cold = Rank(receiver, part, part, dirty_seconds=FROZEN_FAILS_WITHIN)
+                cold = Rank(receiver, part, dirty_seconds=FROZEN_FAILS_WITHIN)
                 await d.complete("warm-up", 4, d.ranks)
                 receiver.freeze()
                 assert (await d.encode("cold-1", 0, 1, cold)).status == 200

@@ -71,7 +71,7 @@ async def test_a_write_landing_in_a_slot_between_its_requests_is_caught_and_attr
     foreign = torch.from_numpy(words(42, 64)[8:24].copy())  # image 42's bytes 64..191
     garbage = torch.full((32,), 7, dtype=torch.uint8)
     async with open_receiver(slot_bytes, "rank") as receiver:
-        rank = Rank(receiver, slot_bytes, 512, quiet_seconds=0.0, dirty_seconds=0.0)
+        rank = Rank(receiver, 512, slot_bytes // 512, quiet_seconds=0.0, dirty_seconds=0.0)
         async with trio.open_nursery() as nursery, rank.slot(nursery) as slot:
             assert (await rank.clean(slot)).clean  # never used: zeros
             slot.dirty = True  # its send failed; it rests, then is filled

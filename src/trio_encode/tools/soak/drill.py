@@ -156,12 +156,15 @@ async def post(
 class Slot:
     rank: Rank
     offset: int
-    nbytes: int
     dirty: bool = False
     """Its last send did not answer 200: bytes may still land, so it is not checked."""
     identities: tuple[int, ...] = ()
     """The stamped images its last request sent into it: their bytes landing later are that
     request's (late), not another's (foreign)."""
+
+    @property
+    def nbytes(self) -> int:
+        return self.rank.slot_bytes
 
     @property
     def address(self) -> int:
@@ -170,12 +173,13 @@ class Slot:
 
 @dataclass(eq=False)
 class Rank:
-    """One receiver process and its pool, cut into slots of ``slot_bytes``."""
+    """One receiver process and its pool, cut into slots of ``images_per_slot`` embeddings."""
 
     receiver: ReceiverProcess
-    slot_bytes: int
     part_bytes: int
     """Bytes of one image's embedding."""
+    images_per_slot: int = 1
+    """The most images one request sends into a slot."""
     quiet_seconds: float = 0.2
     """How long a checked slot rests before its marker is checked and it is reused."""
     dirty_seconds: float = 10.0
@@ -195,7 +199,11 @@ class Rank:
         count = self.receiver.nbytes // self.slot_bytes
         if count < 1:
             raise ValueError("the receiver's pool is smaller than one slot")
-        self._free = [Slot(self, i * self.slot_bytes, self.slot_bytes) for i in range(count)]
+        self._free = [Slot(self, i * self.slot_bytes) for i in range(count)]
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.images_per_slot * self.part_bytes
 
     @property
     def name(self) -> str:

@@ -610,7 +610,7 @@ async def run_soak(config: SoakConfig) -> SoakResult:
     """Run the soak described in the module's doc and check it."""
     workload = await trio.to_thread.run_sync(TaggedImages.build, config.encoder, config.images)
     part = workload.bytes_per_image
-    slot_bytes = 2 * part
+    images_per_slot = 2  # a request names one image or two
     slots = config.concurrency + 8
     async with AsyncExitStack() as stack:
         server = await stack.enter_async_context(
@@ -621,13 +621,15 @@ async def run_soak(config: SoakConfig) -> SoakResult:
         soak = _Soak(config, workload, server)
         for r in range(config.tp):
             receiver = await stack.enter_async_context(
-                open_receiver(slots * slot_bytes, name=f"rank{r}")
+                open_receiver(slots * images_per_slot * part, name=f"rank{r}")
             )
-            soak.ranks.append(Rank(receiver, slot_bytes, part, dirty_seconds=config.deadline_bound))
+            soak.ranks.append(
+                Rank(receiver, part, images_per_slot, dirty_seconds=config.deadline_bound)
+            )
             soak.session_ids.add(receiver.session_id)
         probe_receiver = await stack.enter_async_context(open_receiver(8 * part, name="probe"))
         soak.session_ids.add(probe_receiver.session_id)
-        probe_rank = Rank(probe_receiver, part, part, dirty_seconds=config.deadline_bound)
+        probe_rank = Rank(probe_receiver, part, dirty_seconds=config.deadline_bound)
         limits = httpx.Limits(max_connections=4 * config.concurrency * config.tp)
         http = await stack.enter_async_context(
             httpx.AsyncClient(base_url=server.url, timeout=300, limits=limits)
@@ -676,8 +678,8 @@ async def _drive(
                 receiver.freeze()  # before the server has ever reached it
                 fresh = Rank(
                     receiver,
-                    first.slot_bytes,
                     first.part_bytes,
+                    first.images_per_slot,
                     dirty_seconds=first.dirty_seconds,
                     calls_while_frozen=True,
                 )
@@ -690,8 +692,8 @@ async def _drive(
                 receiver = await _fresh_receiver(stack, victim, soak.session_ids)
                 soak.ranks[-1] = Rank(
                     receiver,
-                    victim.slot_bytes,
                     victim.part_bytes,
+                    victim.images_per_slot,
                     dirty_seconds=victim.dirty_seconds,
                 )
 
