@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import KW_ONLY, asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,16 +35,17 @@ class _Kind:
     """What differs between the supported towers."""
 
     model_class: str
-    drops_cls: bool
-    """Whether the first output token is a CLS token (not an image token) to drop."""
     processor_class: str
     """The processor for a directory without ``preprocessor_config.json``."""
+    _: KW_ONLY
+    drops_cls: bool
+    """Whether the first output token is a CLS token (not an image token) to drop."""
     crops: bool
     """Whether that processor resizes the short side and centre-crops (else: to a square)."""
 
 
-_CLIP = _Kind("CLIPVisionModel", True, "CLIPImageProcessor", crops=True)
-_SIGLIP = _Kind("SiglipVisionModel", False, "SiglipImageProcessor", crops=False)
+_CLIP = _Kind("CLIPVisionModel", "CLIPImageProcessor", drops_cls=True, crops=True)
+_SIGLIP = _Kind("SiglipVisionModel", "SiglipImageProcessor", drops_cls=False, crops=False)
 _KINDS = {
     "clip": _CLIP,
     "clip_vision_model": _CLIP,

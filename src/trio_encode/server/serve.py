@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-@dataclass(eq=False)
+@dataclass(frozen=True, eq=False)
 class RunningServer:
     """A server that is accepting requests; what in-process callers (tests, the demo) need."""
 
