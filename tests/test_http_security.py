@@ -250,7 +250,7 @@ async def test_only_encode_takes_large_bodies(rank_engines: RankEngines) -> None
         for _ in range(100):
             yield b" " * 10_000
 
-    async with http_server(rank_engines.server) as harness:
+    async with http_server(rank_engines.server, shutdown_grace=0) as harness:
         for route in ("/send", "/scheduler_receive_meta_data"):
             for body in (big, streamed()):
                 status, kind, message = error_of(await post(harness, route, body))
@@ -667,7 +667,9 @@ async def test_a_send_from_another_host_than_the_prefill_host_is_refused(
     rank_engines: RankEngines,
 ) -> None:
     async with (
-        http_server(rank_engines.server, allowed_receivers="10.0.0.0/8") as harness,
+        http_server(
+            rank_engines.server, allowed_receivers="10.0.0.0/8", shutdown_grace=0
+        ) as harness,
         landing_pools(rank_engines, 2 * embedding_size(1)) as pools,
     ):
         pool = pools[0]
