@@ -189,31 +189,20 @@ async def test_transfer_to_unregistered_destination_fails(
     assert not dest.any()
 
 
-async def test_transfer_past_the_end_of_a_registration_fails(
-    engine_pair: EnginePair, buffers: BufferPool
+@pytest.mark.parametrize(
+    "dest_registrations",
+    [[(0, 4 * KIB)], [(0, 4 * KIB), (4 * KIB, 4 * KIB)]],
+    ids=["past-the-end-of-one", "across-two-adjacent"],
+)
+async def test_transfer_beyond_one_registration_fails(
+    engine_pair: EnginePair, buffers: BufferPool, dest_registrations: list[tuple[int, int]]
 ) -> None:
+    """A write must land inside one registration, even where the next one starts right after."""
     source = buffers.pattern(4 * KIB)
     dest = buffers.zeros(8 * KIB)
     await engine_pair.sender.register(addr(source), 4 * KIB)
-    await engine_pair.receiver.register(addr(dest), 4 * KIB)
-    await expect_error(
-        "transfer",
-        TRANSFER_FAILED,
-        engine_pair.sender.transfer(
-            Write(engine_pair.receiver.session_id, [(addr(source), 4 * KIB)], addr(dest, 2 * KIB))
-        ),
-    )
-    assert not dest.any()
-
-
-async def test_transfer_across_two_adjacent_registrations_fails(
-    engine_pair: EnginePair, buffers: BufferPool
-) -> None:
-    source = buffers.pattern(4 * KIB)
-    dest = buffers.zeros(8 * KIB)
-    await engine_pair.sender.register(addr(source), 4 * KIB)
-    await engine_pair.receiver.register(addr(dest), 4 * KIB)
-    await engine_pair.receiver.register(addr(dest, 4 * KIB), 4 * KIB)
+    for offset, length in dest_registrations:
+        await engine_pair.receiver.register(addr(dest, offset), length)
     await expect_error(
         "transfer",
         TRANSFER_FAILED,

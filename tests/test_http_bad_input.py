@@ -70,113 +70,36 @@ def encode(req_id: str | None = "r", **fields: Any) -> dict[str, Any]:
     return body
 
 
+def invalid(id: str, route: str, body: Body, message: str, req_id: str | None = "r") -> Case:
+    """A 400 ``invalid_input`` row: the most common way to get the contract wrong."""
+    return Case(id, route, body, 400, message, req_id, kind="invalid_input")
+
+
 CASES = [
-    Case(
-        "malformed-json",
-        "/encode",
-        b'{"req_id": "r", ',
-        400,
-        "not valid JSON",
-        None,
-        kind="invalid_input",
-    ),
-    Case("empty-body", "/encode", b"", 400, "not valid JSON", None, kind="invalid_input"),
-    Case("not-an-object", "/send", b'["r"]', 400, "JSON object", None, kind="invalid_input"),
-    Case("not-utf8", "/encode", b"\xff\xfe{}", 400, "not valid JSON", None, kind="invalid_input"),
-    Case(
-        "missing-req-id",
-        "/encode",
-        encode(None),
-        400,
-        "req_id: Field required",
-        None,
-        kind="invalid_input",
-    ),
-    Case(
+    invalid("malformed-json", "/encode", b'{"req_id": "r", ', "not valid JSON", None),
+    invalid("empty-body", "/encode", b"", "not valid JSON", None),
+    invalid("not-an-object", "/send", b'["r"]', "JSON object", None),
+    invalid("not-utf8", "/encode", b"\xff\xfe{}", "not valid JSON", None),
+    invalid("missing-req-id", "/encode", encode(None), "req_id: Field required", None),
+    invalid(
         "req-id-not-a-string",
         "/encode",
         encode(7),  # type: ignore[arg-type]
-        400,
         "req_id",
         None,
-        kind="invalid_input",
     ),
-    Case("req-id-empty", "/encode", encode(""), 400, "req_id", None, kind="invalid_input"),
-    Case(
-        "req-id-too-long",
-        "/encode",
-        encode("x" * 257),
-        400,
-        "at most 256",
-        None,
-        kind="invalid_input",
+    invalid("req-id-empty", "/encode", encode(""), "req_id", None),
+    invalid("req-id-too-long", "/encode", encode("x" * 257), "at most 256", None),
+    invalid("missing-mm-items", "/encode", {"req_id": "r"}, "mm_items: Field required"),
+    invalid("mm-items-empty", "/encode", encode(mm_items=[]), "mm_items"),
+    invalid("mm-items-not-strings", "/encode", encode(mm_items=[1]), "mm_items.0"),
+    invalid("mm-item-garbage", "/encode", encode(mm_items=["hello"]), "mm_items[0]"),
+    invalid(
+        "mm-item-bad-base64", "/encode", encode(mm_items=["data:image/png;base64,@@@"]), "base64"
     ),
-    Case(
-        "missing-mm-items",
-        "/encode",
-        {"req_id": "r"},
-        400,
-        "mm_items: Field required",
-        "r",
-        kind="invalid_input",
-    ),
-    Case(
-        "mm-items-empty", "/encode", encode(mm_items=[]), 400, "mm_items", "r", kind="invalid_input"
-    ),
-    Case(
-        "mm-items-not-strings",
-        "/encode",
-        encode(mm_items=[1]),
-        400,
-        "mm_items.0",
-        "r",
-        kind="invalid_input",
-    ),
-    Case(
-        "mm-item-garbage",
-        "/encode",
-        encode(mm_items=["hello"]),
-        400,
-        "mm_items[0]",
-        "r",
-        kind="invalid_input",
-    ),
-    Case(
-        "mm-item-bad-base64",
-        "/encode",
-        encode(mm_items=["data:image/png;base64,@@@"]),
-        400,
-        "base64",
-        "r",
-        kind="invalid_input",
-    ),
-    Case(
-        "receive-count-zero",
-        "/encode",
-        encode(receive_count=0),
-        400,
-        "receive_count",
-        "r",
-        kind="invalid_input",
-    ),
-    Case(
-        "receive-count-string",
-        "/encode",
-        encode(receive_count="4"),
-        400,
-        "receive_count",
-        "r",
-        kind="invalid_input",
-    ),
-    Case(
-        "modality-video",
-        "/encode",
-        encode(modality="VIDEO"),
-        400,
-        "(IMAGE, MULTI_IMAGES)",
-        "r",
-        kind="invalid_input",
-    ),
+    invalid("receive-count-zero", "/encode", encode(receive_count=0), "receive_count"),
+    invalid("receive-count-string", "/encode", encode(receive_count="4"), "receive_count"),
+    invalid("modality-video", "/encode", encode(modality="VIDEO"), "(IMAGE, MULTI_IMAGES)"),
     Case(
         "body-too-large",
         "/encode",
@@ -186,50 +109,32 @@ CASES = [
         None,
         kind="too_large",
     ),
-    Case(
-        "send-missing-address",
-        "/send",
-        {"req_id": "r", "session_id": "h:1"},
-        400,
-        "buffer_address",
-        "r",
-        kind="invalid_input",
+    invalid(
+        "send-missing-address", "/send", {"req_id": "r", "session_id": "h:1"}, "buffer_address"
     ),
-    Case(
+    invalid(
         "send-address-zero",
         "/send",
         {"req_id": "r", "session_id": "h:1", "buffer_address": 0},
-        400,
         "buffer_address",
-        "r",
-        kind="invalid_input",
     ),
-    Case(
+    invalid(
         "send-address-string",
         "/send",
         {"req_id": "r", "session_id": "h:1", "buffer_address": "0x10"},
-        400,
         "buffer_address",
-        "r",
-        kind="invalid_input",
     ),
-    Case(
+    invalid(
         "send-session-no-port",
         "/send",
         {"req_id": "r", "session_id": "localhost", "buffer_address": 4096},
-        400,
         "host:port",
-        "r",
-        kind="invalid_input",
     ),
-    Case(
+    invalid(
         "send-session-port-out-of-range",
         "/send",
         {"req_id": "r", "session_id": "127.0.0.1:70000", "buffer_address": 4096},
-        400,
         "host:port",
-        "r",
-        kind="invalid_input",
     ),
     Case(
         "send-unknown-req-id",
