@@ -5,13 +5,9 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import signal
-import subprocess
-import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +16,7 @@ import pytest
 from click.testing import CliRunner
 from pydantic import ValidationError
 
+from support.cli_process import read_until_serving, run_demo, serving, wait_ready
 from trio_encode.cli import cli
 from trio_encode.encoder import EncoderSettings
 from trio_encode.server.serve import startup_facts
@@ -299,48 +296,19 @@ def test_a_mistyped_engine_protocol_is_refused_naming_the_choices(
     assert CliRunner().invoke(cli, ["serve", "--engine-protocol", "rdma"]).exit_code == 0
 
 
-def _serve(*args: str, **env: str) -> subprocess.Popen[str]:
-    # Without Mooncake's own log knobs, to show the server quiets it by itself.
-    inherited = {
-        k: v for k, v in os.environ.items() if k not in ("MC_LOG_LEVEL", "GLOG_minloglevel")
-    }
-    return subprocess.Popen(
-        [sys.executable, "-m", "trio_encode", "serve", *args],
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**inherited, **env},
-    )
-
-
 def test_serve_on_port_0_logs_its_port_quiets_mooncake_and_stops_cleanly_on_sigterm() -> None:
-    process = _serve("--port", "0", "--shutdown-grace", "1", TRIO_ENCODE_LOG_FORMAT="kv")
     lines: list[str] = []
-    try:
-        assert process.stderr is not None
-        url = None
-        for line in process.stderr:
-            lines.append(line)
-            match = re.search(r"serving on (http://127\.0\.0\.1:\d+)", line)
-            if match:
-                url = match[1]
-                break
-        assert url is not None, "".join(lines)
+    with serving("--port", "0", "--shutdown-grace", "1", TRIO_ENCODE_LOG_FORMAT="kv") as process:
+        url = read_until_serving(process, lines)
         drain = threading.Thread(target=lambda: lines.extend(process.stderr or []), daemon=True)
         drain.start()
-        for _ in range(600):  # the model loads behind the listening port
-            if httpx.get(url + "/readyz", timeout=10).status_code == 200:
-                break
-            time.sleep(0.05)
+        wait_ready(url)
         health = httpx.get(url + "/health", timeout=10)
         assert health.status_code == 200
         assert health.json()["status"] == "ok"
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0
         drain.join(timeout=5)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
     output = "".join(lines)
     assert "received SIGTERM" in output
     assert "0 cut short" in output
@@ -354,31 +322,19 @@ TINY_FLAGS += ("--patch-size", "8", "--torch-threads", "1", "--shutdown-grace", 
 def test_with_json_logs_every_line_on_stderr_is_json_mooncake_s_included() -> None:
     """Mooncake's own glog lines (let through at INFO here), Python's warnings, the start-up
     line with the settings in effect and the final "stopped" line: all JSON."""
-    process = _serve(
+    lines: list[str] = []
+    with serving(
         *("--port", "0", "--log-format", "json", "--engine-log-level", "INFO", *TINY_FLAGS),
         PYTHONWARNINGS="always",
-    )
-    try:
-        assert process.stderr is not None
-        lines: list[str] = []
-        for line in process.stderr:
-            lines.append(line)
-            if "serving on" in line:
-                break
-        url = json.loads(lines[-1])["msg"].split()[2]
+    ) as process:
+        url = read_until_serving(process, lines)
+        assert json.loads(lines[-1])["msg"].split()[2] == url
         drain = threading.Thread(target=lambda: lines.extend(process.stderr or []), daemon=True)
         drain.start()
-        for _ in range(600):
-            if httpx.get(url + "/readyz", timeout=10).status_code == 200:
-                break
-            time.sleep(0.05)
+        wait_ready(url)
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0
         drain.join(timeout=5)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
     records = [json.loads(line) for line in lines if line.strip()]  # each line parses
     loggers = {record["logger"] for record in records}
     assert "mooncake" in loggers, loggers
@@ -405,15 +361,8 @@ def test_the_start_up_line_names_the_config_file_and_auth(tmp_path: Path) -> Non
 
 
 def test_demo_moves_and_checks_every_byte() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "trio_encode", "demo", "--requests", "3", "--images", "1"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    result, rows = run_demo("--requests", "3", "--images", "1")
     assert "OK: every byte checked" in result.stdout
-    rows = dict(re.findall(r"│ (.+?)\s+│\s+(.+?) │", result.stdout))
     assert rows["requests x ranks"] == "3 x 4"
     assert rows["copies equal to the model's output"] == "12"
     # The arena is registered once for the server's life; no request registers anything.
@@ -430,15 +379,8 @@ def test_demo_moves_and_checks_every_byte() -> None:
 def test_demo_without_the_arena_registers_each_image_once() -> None:
     """Without the arena each image's row is sent as it lies (never concatenated), so each is
     registered once: 3 requests of 2 images, 6 registrations."""
-    result = subprocess.run(
-        [sys.executable, "-m", "trio_encode", "demo", "--requests", "3", "--arena-bytes", "0"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    result, rows = run_demo("--requests", "3", "--arena-bytes", "0")
     assert "OK: every byte checked" in result.stdout
-    rows = dict(re.findall(r"│ (.+?)\s+│\s+(.+?) │", result.stdout))
     assert rows["registrations made by requests"] == "6"
     assert rows["registrations released by requests"] == "6"
     assert rows["registrations live at the end"] == "0"

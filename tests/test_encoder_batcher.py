@@ -25,6 +25,7 @@ from support.fake_encoder import (
     image,
     inline,
     make,
+    occupy_the_forward,
     reds,
 )
 from trio_encode.embedding import Embedding
@@ -138,8 +139,7 @@ async def test_cancelled_while_queued_is_removed_and_never_encoded(
     encoder, backend, _ = make(replace(SETTINGS, max_batch_size=1))
     async with encoder_running(encoder):
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(encoder.encode, [image(1)])
-            await trio.sleep(0.1)  # image 1 is in the forward
+            await occupy_the_forward(encoder, nursery)
             with trio.move_on_after(0.3) as scope:
                 await encoder.encode([image(2), image(3)])
             assert scope.cancelled_caught
@@ -345,8 +345,7 @@ async def test_first_requester_cancelled_while_queued_leaves_the_job_to_the_seco
 
     async with encoder_running(encoder):
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(encoder.encode, [image(1)])
-            await trio.sleep(0.1)  # image 1 is in the forward until 1.01
+            await occupy_the_forward(encoder, nursery)
             with trio.move_on_after(0.3) as scope:
                 nursery.start_soon(second)
                 await encoder.encode([image(2)])
@@ -364,8 +363,7 @@ async def test_every_requester_cancelled_while_queued_withdraws_the_shared_job(
     encoder, backend, _ = make(replace(SETTINGS, max_batch_size=1))
     async with encoder_running(encoder):
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(encoder.encode, [image(1)])
-            await trio.sleep(0.1)  # image 1 is in the forward until 1.01
+            await occupy_the_forward(encoder, nursery)
             with trio.move_on_after(0.3):
                 async with trio.open_nursery() as requesters:
                     requesters.start_soon(encoder.encode, [image(2)])
@@ -411,8 +409,7 @@ async def test_a_shared_image_counts_once_against_the_queue(
 
     async with encoder_running(encoder):
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(encoder.encode, [image(1)])
-            await trio.sleep(0.1)  # image 1 is in the forward until 1.01
+            await occupy_the_forward(encoder, nursery)
             with trio.move_on_after(0.3):
                 async with trio.open_nursery() as first:
                     first.start_soon(encoder.encode, [image(2), image(3)])

@@ -121,6 +121,13 @@ async def encoder_running(encoder: ImageEncoder) -> AsyncIterator[trio.Nursery]:
         nursery.cancel_scope.cancel()
 
 
+async def occupy_the_forward(encoder: ImageEncoder, nursery: trio.Nursery) -> None:
+    """Start encoding image 1 in ``nursery`` and return once its batch is in the forward
+    (from 0.01 s to 1.01 s under ``SETTINGS``): with one-image batches, what comes next queues."""
+    nursery.start_soon(encoder.encode, [image(1)])
+    await trio.sleep(0.1)
+
+
 class Fingerprinted(FakeBackend):
     """A fake backend with a model fingerprint, so a cross-server store may key its output."""
 
