@@ -21,13 +21,16 @@ PYPROJECT = nox.project.load_toml("pyproject.toml")
 
 
 def _install(session: nox.Session, *extras_and_groups: str) -> None:
+    """Install the package with extras and dependency groups. Without byte-compiling: every
+    session has a fresh environment, and compiling all of torch and transformers up front
+    took about a minute of each install; Python compiles what a run imports as it goes."""
     extras = [e for e in extras_and_groups if not e.startswith("group:")]
     groups = [g.removeprefix("group:") for g in extras_and_groups if g.startswith("group:")]
     requirements: list[str] = []
     for group in groups:
         requirements += nox.project.dependency_groups(PYPROJECT, group)
     target = f".[{','.join(extras)}]" if extras else "."
-    session.install("-c", "constraints.txt", target, *requirements)
+    session.install("--no-compile", "-c", "constraints.txt", target, *requirements)
 
 
 @nox.session(python=PYTHON)
