@@ -11,40 +11,15 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import torch
-import trio
-
-from support.engines import TP, RankEngines
-from support.harness import http_server, landing_pools
-from support.models import SMALL, direct
-from trio_encode.client import EncodeClient, LandingPool, LandingSlot, metric_value
+from support.engines import RankEngines
+from support.harness import http_server, landing_pools, run_ranks
+from support.models import SMALL, assert_every_rank_got_the_model_output
+from trio_encode.client import metric_value
 from trio_encode.encoder import ImageEncoder
 from trio_encode.testing.images import noise_uri
 
 ROW = 16 * 256 * 4
 """Bytes of one image's embedding with the small model (16 tokens of 256 floats)."""
-
-
-async def run_ranks(
-    client: EncodeClient, pools: list[LandingPool], requests: dict[str, list[str]]
-) -> dict[tuple[str, int], LandingSlot]:
-    """Every rank encodes and sends every request, all at once; the slots they landed in
-    (each checked against the answer's checksum)."""
-    landed: dict[tuple[str, int], LandingSlot] = {}
-
-    async def rank(req_id: str, r: int) -> None:
-        encoded = await client.encode(req_id, requests[req_id], receive_count=TP)
-        slot = pools[r].allocate(encoded.embedding_size)
-        sent = await client.send(req_id, pools[r].session_id, slot.address)
-        slot.verify(sent.embedding_size, sent.checksum)
-        landed[req_id, r] = slot
-
-    with trio.fail_after(120):
-        async with trio.open_nursery() as nursery:
-            for req_id in requests:
-                for r in range(TP):
-                    nursery.start_soon(rank, req_id, r)
-    return landed
 
 
 async def test_tp4_over_the_arena_registers_once_for_all_requests(
@@ -62,10 +37,7 @@ async def test_tp4_over_the_arena_registers_once_for_all_requests(
         landed = await run_ranks(harness.client, pools, requests)
         text = await harness.settled()
 
-    for req_id, uris in requests.items():
-        expected = direct(encoder, uris)
-        for r in range(TP):
-            assert torch.equal(landed[req_id, r].read(*expected.shape, "float32"), expected)
+    assert_every_rank_got_the_model_output(encoder, requests, landed)
     assert metric_value(text, "arena_registrations") == 1, "the arena, once, held"
     assert metric_value(text, "registrations_total") == 0, "no request registered anything"
     assert metric_value(text, "deregistrations_total") == 0
@@ -90,10 +62,7 @@ async def test_a_full_arena_falls_back_to_per_request_registration(
         landed = await run_ranks(harness.client, pools, requests)
         text = await harness.settled()
 
-    for req_id, uris in requests.items():
-        expected = direct(encoder, uris)
-        for r in range(TP):
-            assert torch.equal(landed[req_id, r].read(*expected.shape, "float32"), expected)
+    assert_every_rank_got_the_model_output(encoder, requests, landed)
     fallbacks = metric_value(text, "arena_fallbacks")
     assert fallbacks == len(requests)
     # Each fallback's rows that lie outside the arena (sent as they lie, never concatenated):

@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 import trio
 
-from support.engines import TP, RankEngines
-from support.harness import http_server, landing_pools
-from support.models import SMALL, direct
-from trio_encode.client import LandingSlot, metric_value
+from support.engines import RankEngines
+from support.harness import http_server, landing_pools, run_ranks
+from support.models import SMALL, assert_every_rank_got_the_model_output, direct
+from trio_encode.client import metric_value
 from trio_encode.encoder import ImageEncoder
 from trio_encode.testing.images import noise_uri
 
@@ -24,32 +24,14 @@ async def test_tp4_ranks_with_the_real_encoder_every_byte_checked(
 ) -> None:
     encoder = ImageEncoder.from_settings(SMALL)
     requests = {f"vit-{i}": [noise_uri(100 + 2 * i), noise_uri(101 + 2 * i)] for i in range(6)}
-    landed: dict[tuple[str, int], LandingSlot] = {}
     per_request = 2 * 16 * 256 * 4
     async with (
         http_server(rank_engines.server, encoder=encoder) as harness,
         landing_pools(rank_engines, len(requests) * per_request + 4096) as pools,
     ):
-
-        async def rank(req_id: str, r: int) -> None:
-            encoded = await harness.client.encode(req_id, requests[req_id], receive_count=TP)
-            assert encoded.embedding_size == per_request
-            slot = pools[r].allocate(encoded.embedding_size)
-            await harness.client.send(req_id, pools[r].session_id, slot.address)
-            landed[req_id, r] = slot
-
-        with trio.fail_after(120):
-            async with trio.open_nursery() as nursery:
-                for req_id in requests:
-                    for r in range(TP):
-                        nursery.start_soon(rank, req_id, r)
-            text = await harness.settled()
-
-        for req_id, uris in requests.items():
-            expected = direct(encoder, uris)
-            for r in range(TP):
-                copy = landed[req_id, r].read(*expected.shape, "float32")
-                assert torch.equal(copy, expected), (req_id, r)
+        landed = await run_ranks(harness.client, pools, requests, embedding_size=per_request)
+        text = await harness.settled()
+        assert_every_rank_got_the_model_output(encoder, requests, landed)
         # Each image's row is sent as it lies (never concatenated), so registered on its own.
         assert metric_value(text, "registrations_total") == 2 * len(requests)
         assert metric_value(text, "engine_errors_total") == 0

@@ -9,14 +9,14 @@ from typing import Any
 
 import trio
 
-from trio_encode.client import EncodeClient, LandingPool, metric_value
+from trio_encode.client import EncodeClient, LandingPool, LandingSlot, metric_value
 from trio_encode.engine import TransferEngine
 from trio_encode.server.serve import RunningServer, open_server
 from trio_encode.service import Encoder
 from trio_encode.settings import ServerSettings
 from trio_encode.testing.stand_in_encoder import StandInEncoder
 
-from .engines import RankEngines
+from .engines import TP, RankEngines
 
 
 @dataclass
@@ -69,3 +69,31 @@ async def landing_pools(rank_engines: RankEngines, nbytes: int) -> AsyncIterator
         yield [
             await stack.enter_async_context(LandingPool.open(e, nbytes)) for e in rank_engines.ranks
         ]
+
+
+async def run_ranks(
+    client: EncodeClient,
+    pools: list[LandingPool],
+    requests: dict[str, list[str]],
+    embedding_size: int | None = None,
+) -> dict[tuple[str, int], LandingSlot]:
+    """Every rank encodes and sends every request, all at once; the slots they landed in
+    (each checked against the answer's checksum, and its size when ``embedding_size`` is
+    given)."""
+    landed: dict[tuple[str, int], LandingSlot] = {}
+
+    async def rank(req_id: str, r: int) -> None:
+        encoded = await client.encode(req_id, requests[req_id], receive_count=TP)
+        if embedding_size is not None:
+            assert encoded.embedding_size == embedding_size
+        slot = pools[r].allocate(encoded.embedding_size)
+        sent = await client.send(req_id, pools[r].session_id, slot.address)
+        slot.verify(sent.embedding_size, sent.checksum)
+        landed[req_id, r] = slot
+
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            for req_id in requests:
+                for r in range(TP):
+                    nursery.start_soon(rank, req_id, r)
+    return landed
