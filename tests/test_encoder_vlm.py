@@ -22,26 +22,12 @@ from PIL import Image
 
 from support.engines import RankEngines
 from support.harness import http_server, landing_pools
-from support.vlms import FAMILIES, TinyVLM, build
+from support.vlms import FAMILIES, PHOTOS, TinyVLM, build
 from trio_encode.embedding import ArenaEmbedding
 from trio_encode.encoder import EncoderSettings, ImageEncoder, load_backend
 from trio_encode.encoder.vlm import VLMVisionModel
 from trio_encode.testing.images import mixed_jpegs
 from trio_encode.testing.tiny_vlm import VLM_IMAGE_SIZES, save_tiny_qwen2_5_vl
-
-SIZES = [(90, 60), (40, 130), (200, 200), (57, 57)]
-"""Landscape, tall portrait, large square, odd square: different token counts per image."""
-
-
-def photo(seed: int, size: tuple[int, int]) -> bytes:
-    generator = torch.Generator().manual_seed(seed)
-    array = torch.randint(0, 256, (size[1], size[0], 3), generator=generator, dtype=torch.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(array.numpy()).save(buffer, format="PNG")
-    return buffer.getvalue()
-
-
-PHOTOS = [photo(seed, size) for seed, size in enumerate(SIZES)]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

@@ -58,9 +58,7 @@ async def test_a_submitted_send_is_not_withdrawn_by_a_client_that_leaves(
             rig.fabric.thaw(a.engine.session_id)
         assert rig.sender.count("transfer") == 1, "a second transfer into the same buffer"
         assert a.landed(NBYTES) == rig.expected["r1"]
-        await scope.wait_ended()
-        assert scope.end_reason == "completed"
-        await rig.assert_nothing_held()
+        await rig.assert_completed(scope)
 
 
 async def test_a_withdrawn_send_never_writes_after_its_retry_answered(

@@ -243,9 +243,7 @@ async def test_retry_from_the_same_receiver_is_not_a_new_receiver(
 
         report = await scope.send(b.receiver)
         assert report.receivers_done == 2
-        await scope.wait_ended()
-        assert scope.end_reason == "completed"
-        await rig.assert_nothing_held()
+        await rig.assert_completed(scope)
 
 
 async def test_failed_encode_answers_every_waiting_sender(

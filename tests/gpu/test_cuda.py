@@ -13,19 +13,9 @@ import transformers as T
 import trio
 from PIL import Image
 
-from support.vlms import build
+from support.vlms import PHOTOS, build
 from trio_encode.embedding import ArenaEmbedding
 from trio_encode.encoder import EncoderSettings, ImageEncoder
-
-SIZES = [(90, 60), (40, 130), (200, 200), (57, 57)]
-
-
-def photo(seed: int, size: tuple[int, int]) -> bytes:
-    generator = torch.Generator().manual_seed(seed)
-    array = torch.randint(0, 256, (size[1], size[0], 3), generator=generator, dtype=torch.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(array.numpy()).save(buffer, format="PNG")
-    return buffer.getvalue()
 
 
 def test_cuda_is_there() -> None:
@@ -35,17 +25,16 @@ def test_cuda_is_there() -> None:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 async def test_served_on_cuda_equals_transformers_on_cuda(tmp_path: Path, dtype: str) -> None:
     tiny = build("qwen2_5_vl", tmp_path)
-    photos = [photo(seed, size) for seed, size in enumerate(SIZES)]
     settings = EncoderSettings(
         model=tmp_path, dtype=dtype, device="cuda:0", arena_bytes=8 << 20, max_batch_wait=0.05
     )
     encoder = ImageEncoder.from_settings(settings)
     async with trio.open_nursery() as nursery:
         await nursery.start(encoder.run)
-        embedding = await encoder.encode(photos)
+        embedding = await encoder.encode(PHOTOS)
         nursery.cancel_scope.cancel()
     assert isinstance(embedding, ArenaEmbedding)
-    images = [Image.open(io.BytesIO(data)).convert("RGB") for data in photos]
+    images = [Image.open(io.BytesIO(data)).convert("RGB") for data in PHOTOS]
     model = tiny.model_class.from_pretrained(str(tmp_path), dtype=getattr(torch, dtype))
     model = model.to("cuda:0").eval()
     inputs = T.Qwen2VLImageProcessor.from_pretrained(str(tmp_path))(

@@ -23,6 +23,7 @@ from trio_encode.engine.threads import ThreadSettings
 from trio_encode.errors import EncodeFailed
 from trio_encode.ledger import RegistrationLedger
 from trio_encode.request_types import EmbeddingMemory, Receiver
+from trio_encode.scope import RequestScope
 from trio_encode.scopes import ScopeRegistry
 from trio_encode.testing.memory_engine import InMemoryEngine, InMemoryFabric
 
@@ -174,6 +175,12 @@ class Rig:
 
     def failing_encoder(self, message: str = "CUDA out of memory") -> EncoderScript:
         return EncoderScript(error=EncodeFailed(message))
+
+    async def assert_completed(self, scope: RequestScope) -> None:
+        """``scope`` ends because every receiver got its copy; then nothing is left held."""
+        await scope.wait_ended()
+        assert scope.end_reason == "completed"
+        await self.assert_nothing_held()
 
     async def assert_nothing_held(self) -> None:
         """Invariant 8: once every task has settled, no scope, registration or violation is

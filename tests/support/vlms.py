@@ -4,6 +4,7 @@ about them: the full model's ``get_image_features`` and the processor's prompt t
 
 from __future__ import annotations
 
+import io
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +14,22 @@ import torch
 import transformers as T
 from PIL import Image
 from tokenizers import Tokenizer, models, pre_tokenizers
+
+PHOTO_SIZES = [(90, 60), (40, 130), (200, 200), (57, 57)]
+"""Landscape, tall portrait, large square, odd square: different token counts per image."""
+
+
+def photo(seed: int, size: tuple[int, int]) -> bytes:
+    """A PNG of ``size`` random pixels, the same for the same ``seed``."""
+    generator = torch.Generator().manual_seed(seed)
+    array = torch.randint(0, 256, (size[1], size[0], 3), generator=generator, dtype=torch.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(array.numpy()).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+PHOTOS = [photo(seed, size) for seed, size in enumerate(PHOTO_SIZES)]
+"""One photo of each of :data:`PHOTO_SIZES`."""
 
 TEXT = {
     "hidden_size": 64,
