@@ -6,7 +6,8 @@ from __future__ import annotations
 import ctypes
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import replace
 
 import pytest
@@ -306,9 +307,12 @@ async def _until(condition: Callable[[], bool], seconds: float = 5.0) -> None:
             await trio.sleep(0.01)
 
 
+@asynccontextmanager
 async def _serving_with_store(
     client: FakeStoreClient, events: Events
-) -> tuple[ImageEncoder, Arena, MooncakeEmbeddingStore]:
+) -> AsyncIterator[tuple[ImageEncoder, Arena, MooncakeEmbeddingStore]]:
+    """An encoder running with an arena of one segment and a store over ``client``, once the
+    store is connected."""
     arena = Arena(4096, cache_bytes=4096)  # room for exactly one image's segment
     store = _store(events)
     store._store_class = lambda: client
@@ -320,7 +324,9 @@ async def _serving_with_store(
         store=store,
         arena=arena,
     )
-    return encoder, arena, store
+    async with encoder_running(encoder):
+        await _until(lambda: store.connected)
+        yield encoder, arena, store
 
 
 async def test_a_pending_store_put_keeps_its_segment_from_reuse() -> None:
@@ -329,9 +335,7 @@ async def test_a_pending_store_put_keeps_its_segment_from_reuse() -> None:
     may still read it: else the store keeps Y's bytes under X's key, for the whole fleet."""
     events = Events()
     client = ReadingClient()
-    encoder, arena, store = await _serving_with_store(client, events)
-    async with encoder_running(encoder):
-        await _until(lambda: store.connected)
+    async with _serving_with_store(client, events) as (encoder, arena, _):
         x = await encoder.encode([image(10)])
         assert isinstance(x, ArenaEmbedding)
         x_bytes = x.tensor.numpy().tobytes()
@@ -358,9 +362,7 @@ async def test_an_abandoned_store_put_keeps_its_lease_until_it_returns(
     monkeypatch.setattr(store_module, "_PUT_SECONDS", 0.05)
     events = Events()
     client = ReadingClient()
-    encoder, arena, store = await _serving_with_store(client, events)
-    async with encoder_running(encoder):
-        await _until(lambda: store.connected)
+    async with _serving_with_store(client, events) as (encoder, arena, _):
         x = await encoder.encode([image(10)])
         x.release()
         await _until(lambda: events.puts == ["timeout"])
