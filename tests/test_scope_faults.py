@@ -18,7 +18,7 @@ import pytest
 import trio
 import trio.testing
 
-from support.lifecycle_rig import lifecycle_rig, make_embedding
+from support.lifecycle_rig import SeededEncoder, lifecycle_rig, make_embedding
 from trio_encode.embedding import Embedding, checksum_of
 from trio_encode.engine import INVALID_ADDRESS, TRANSFER_FAILED, EngineError
 from trio_encode.engine.threads import ThreadSettings
@@ -137,12 +137,9 @@ async def test_a_send_waiting_for_a_thread_is_withdrawn_when_its_client_leaves(
         await rig.assert_nothing_held()
 
 
-class _SlowLoadEncoder:
+class _SlowLoadEncoder(SeededEncoder):
     """Loads items in a "thread" that a cancelled caller still waits for (shielded), as
     ``trio.to_thread.run_sync(abandon_on_cancel=False)`` does."""
-
-    ready = True
-    arena = None  # per-request registration only
 
     def __init__(self, encode_error: Exception | None = None) -> None:
         self.encode_error = encode_error
@@ -155,14 +152,10 @@ class _SlowLoadEncoder:
 
     async def encode(self, images: Sequence[bytes]) -> Embedding:
         self.encodes += 1
-        await trio.sleep(1.0)
+        embedding = await super().encode(images)
         if self.encode_error is not None:
             raise self.encode_error
-        return make_embedding(len(b"".join(images)))
-
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        task_status.started()
-        await trio.sleep_forever()
+        return embedding
 
 
 async def test_an_openers_disconnect_does_not_end_the_request_for_its_siblings(

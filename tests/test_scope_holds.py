@@ -18,9 +18,8 @@ import torch
 import trio
 import trio.testing
 
-from support.lifecycle_rig import gather_sends, lifecycle_rig, make_embedding
+from support.lifecycle_rig import SeededEncoder, gather_sends, lifecycle_rig
 from trio_encode.arrivals import Arrivals
-from trio_encode.embedding import Embedding
 from trio_encode.engine import TRANSFER_FAILED, EngineError
 from trio_encode.errors import InvalidInput, RequestReleased, UnknownRequest
 from trio_encode.request_types import Receiver
@@ -32,11 +31,8 @@ class Images(list[bytes]):
     """A request's loaded images, which a test can watch through a weakref."""
 
 
-class WatchedEncoder:
+class WatchedEncoder(SeededEncoder):
     """An encoder whose loaded images can be watched; ``bad`` items are refused."""
-
-    ready = True
-    arena = None  # per-request registration only
 
     def __init__(self) -> None:
         self.loaded: list[weakref.ref[Images]] = []
@@ -48,14 +44,6 @@ class WatchedEncoder:
         images = Images(item.encode() for item in items)
         self.loaded.append(weakref.ref(images))
         return images
-
-    async def encode(self, images: Sequence[bytes]) -> Embedding:
-        await trio.sleep(1.0)
-        return make_embedding(len(b"".join(images)))
-
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        task_status.started()
-        await trio.sleep_forever()
 
 
 async def test_each_waiting_pull_raises_its_own_error() -> None:

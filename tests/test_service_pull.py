@@ -16,7 +16,7 @@ import pytest
 import trio
 import trio.testing
 
-from support.lifecycle_rig import make_embedding
+from support.lifecycle_rig import SeededEncoder, make_embedding
 from trio_encode.embedding import Embedding
 from trio_encode.errors import (
     EncodeFailed,
@@ -33,12 +33,9 @@ from trio_encode.testing.memory_engine import InMemoryEngine, InMemoryFabric
 TP = 4
 
 
-class ScriptedEncoder:
+class ScriptedEncoder(SeededEncoder):
     """No threads; ``img:`` items encode in 1 s of virtual time, ``fail:`` ones raise and
     ``slow:`` ones take 1000 s."""
-
-    ready = True
-    arena = None  # embeddings in memory of their own, registered per request
 
     async def load_items(self, items: Sequence[str]) -> list[bytes]:
         if any(not item.startswith(("img:", "fail:", "slow:")) for item in items):
@@ -50,10 +47,6 @@ class ScriptedEncoder:
         if any(image.startswith(b"fail:") for image in images):
             raise RuntimeError("the vision tower raised")
         return make_embedding(len(b"".join(images)))
-
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        task_status.started()
-        await trio.sleep_forever()
 
 
 @dataclass

@@ -11,32 +11,12 @@ import pytest
 import trio
 import trio.testing
 
-from support.lifecycle_rig import make_embedding
+from support.lifecycle_rig import SeededEncoder
 from trio_encode.embedding import Embedding
-from trio_encode.errors import InvalidInput, ShuttingDown
+from trio_encode.errors import ShuttingDown
 from trio_encode.request_types import Receiver
 from trio_encode.service import EncodeService, ServiceSettings
 from trio_encode.testing.memory_engine import InMemoryFabric
-
-
-class SeededEncoder:
-    """An encoder stand-in for mock-clock tests: no threads, 1 s of virtual forward time."""
-
-    ready = True
-    arena = None  # per-request registration only
-
-    async def load_items(self, items: Sequence[str]) -> list[bytes]:
-        if any(not item.startswith("img:") for item in items):
-            raise InvalidInput("not an image")
-        return [item.encode() for item in items]
-
-    async def encode(self, images: Sequence[bytes]) -> Embedding:
-        await trio.sleep(1.0)
-        return make_embedding(len(b"".join(images)))
-
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        task_status.started()
-        await trio.sleep_forever()
 
 
 async def test_shutdown_finishes_what_it_can_and_cuts_the_rest(

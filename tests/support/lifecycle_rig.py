@@ -10,7 +10,7 @@ moment the scope drops one.
 from __future__ import annotations
 
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -20,7 +20,7 @@ import trio.testing
 
 from trio_encode.embedding import Embedding
 from trio_encode.engine.threads import ThreadSettings
-from trio_encode.errors import EncodeFailed
+from trio_encode.errors import EncodeFailed, InvalidInput
 from trio_encode.ledger import RegistrationLedger
 from trio_encode.request_types import EmbeddingMemory, Receiver
 from trio_encode.scope import RequestScope
@@ -84,6 +84,28 @@ def make_embedding(seed: int, rows: int = 64, dim: int = 32) -> Embedding:
     """A float32 embedding whose bytes depend on ``seed``."""
     generator = torch.Generator().manual_seed(seed)
     return Embedding(torch.randn(rows, dim, generator=generator))
+
+
+class SeededEncoder:
+    """A service's encoder for mock-clock tests: no threads and no arena (per-request
+    registration); ``img:`` items load at once, a forward takes 1 s of virtual time, and the
+    embedding is seeded by the images' bytes. Tests override what they steer."""
+
+    ready = True
+    arena = None
+
+    async def load_items(self, items: Sequence[str]) -> list[bytes]:
+        if any(not item.startswith("img:") for item in items):
+            raise InvalidInput("not an image")
+        return [item.encode() for item in items]
+
+    async def encode(self, images: Sequence[bytes]) -> Embedding:
+        await trio.sleep(1.0)
+        return make_embedding(len(b"".join(images)))
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        await trio.sleep_forever()
 
 
 @dataclass
