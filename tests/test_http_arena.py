@@ -12,14 +12,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 from support.engines import RankEngines
-from support.harness import http_server, landing_pools, run_ranks
-from support.models import SMALL, assert_every_rank_got_the_model_output
+from support.harness import serve_small_model_to_every_rank
+from support.models import SMALL, SMALL_ROW
 from trio_encode.client import metric_value
 from trio_encode.encoder import ImageEncoder
 from trio_encode.testing.images import noise_uri
-
-ROW = 16 * 256 * 4
-"""Bytes of one image's embedding with the small model (16 tokens of 256 floats)."""
 
 
 async def test_tp4_over_the_arena_registers_once_for_all_requests(
@@ -30,14 +27,7 @@ async def test_tp4_over_the_arena_registers_once_for_all_requests(
     encoder = ImageEncoder.from_settings(replace(SMALL, arena_bytes=4 << 20))
     shared = noise_uri(900)
     requests = {f"arena-{i}": [noise_uri(300 + i), shared] for i in range(6)}
-    async with (
-        http_server(rank_engines.server, encoder=encoder) as harness,
-        landing_pools(rank_engines, len(requests) * 2 * ROW + 4096) as pools,
-    ):
-        landed = await run_ranks(harness.client, pools, requests)
-        text = await harness.settled()
-
-    assert_every_rank_got_the_model_output(encoder, requests, landed)
+    text = await serve_small_model_to_every_rank(rank_engines, encoder, requests)
     assert metric_value(text, "arena_registrations") == 1, "the arena, once, held"
     assert metric_value(text, "registrations_total") == 0, "no request registered anything"
     assert metric_value(text, "deregistrations_total") == 0
@@ -53,16 +43,9 @@ async def test_a_full_arena_falls_back_to_per_request_registration(
 ) -> None:
     """An arena with room for one image: two-image requests do not fit, so each registers its
     own embedding (counted as a fallback) and is served all the same, byte for byte."""
-    encoder = ImageEncoder.from_settings(replace(SMALL, arena_bytes=ROW, cache_bytes=0))
+    encoder = ImageEncoder.from_settings(replace(SMALL, arena_bytes=SMALL_ROW, cache_bytes=0))
     requests = {f"full-{i}": [noise_uri(500 + 2 * i), noise_uri(501 + 2 * i)] for i in range(3)}
-    async with (
-        http_server(rank_engines.server, encoder=encoder) as harness,
-        landing_pools(rank_engines, len(requests) * 2 * ROW + 4096) as pools,
-    ):
-        landed = await run_ranks(harness.client, pools, requests)
-        text = await harness.settled()
-
-    assert_every_rank_got_the_model_output(encoder, requests, landed)
+    text = await serve_small_model_to_every_rank(rank_engines, encoder, requests)
     fallbacks = metric_value(text, "arena_fallbacks")
     assert fallbacks == len(requests)
     # Each fallback's rows that lie outside the arena (sent as they lie, never concatenated):

@@ -12,8 +12,8 @@ import torch
 import trio
 
 from support.engines import RankEngines
-from support.harness import http_server, landing_pools, run_ranks
-from support.models import SMALL, assert_every_rank_got_the_model_output, direct
+from support.harness import http_server, landing_pools, serve_small_model_to_every_rank
+from support.models import SMALL, SMALL_ROW, direct
 from trio_encode.client import metric_value
 from trio_encode.encoder import ImageEncoder
 from trio_encode.testing.images import noise_uri
@@ -24,17 +24,10 @@ async def test_tp4_ranks_with_the_real_encoder_every_byte_checked(
 ) -> None:
     encoder = ImageEncoder.from_settings(SMALL)
     requests = {f"vit-{i}": [noise_uri(100 + 2 * i), noise_uri(101 + 2 * i)] for i in range(6)}
-    per_request = 2 * 16 * 256 * 4
-    async with (
-        http_server(rank_engines.server, encoder=encoder) as harness,
-        landing_pools(rank_engines, len(requests) * per_request + 4096) as pools,
-    ):
-        landed = await run_ranks(harness.client, pools, requests, embedding_size=per_request)
-        text = await harness.settled()
-        assert_every_rank_got_the_model_output(encoder, requests, landed)
-        # Each image's row is sent as it lies (never concatenated), so registered on its own.
-        assert metric_value(text, "registrations_total") == 2 * len(requests)
-        assert metric_value(text, "engine_errors_total") == 0
+    text = await serve_small_model_to_every_rank(rank_engines, encoder, requests)
+    # Each image's row is sent as it lies (never concatenated), so registered on its own.
+    assert metric_value(text, "registrations_total") == 2 * len(requests)
+    assert metric_value(text, "engine_errors_total") == 0
 
 
 async def test_cache_hit_across_requests_registers_the_shared_memory_once(
@@ -45,7 +38,7 @@ async def test_cache_hit_across_requests_registers_the_shared_memory_once(
     leases a's registration instead of registering the same bytes again."""
     encoder = ImageEncoder.from_settings(SMALL)
     uri = noise_uri(7)
-    size = 16 * 256 * 4
+    size = SMALL_ROW
     async with (
         http_server(rank_engines.server, encoder=encoder) as harness,
         landing_pools(rank_engines, 4 * size) as pools,

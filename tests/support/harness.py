@@ -7,9 +7,11 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import trio
 
 from trio_encode.client import EncodeClient, LandingPool, LandingSlot, metric_value
+from trio_encode.encoder import ImageEncoder
 from trio_encode.engine import TransferEngine
 from trio_encode.server.serve import RunningServer, open_server
 from trio_encode.service import Encoder
@@ -17,6 +19,7 @@ from trio_encode.settings import ServerSettings
 from trio_encode.testing.stand_in_encoder import StandInEncoder
 
 from .engines import TP, RankEngines
+from .models import SMALL_ROW, direct
 
 
 @dataclass
@@ -75,17 +78,17 @@ async def run_ranks(
     client: EncodeClient,
     pools: list[LandingPool],
     requests: dict[str, list[str]],
-    embedding_size: int | None = None,
+    row_bytes: int | None = None,
 ) -> dict[tuple[str, int], LandingSlot]:
     """Every rank encodes and sends every request, all at once; the slots they landed in
-    (each checked against the answer's checksum, and its size when ``embedding_size`` is
-    given)."""
+    (each checked against the answer's checksum, and with ``row_bytes`` the answer's size
+    against that many bytes an image)."""
     landed: dict[tuple[str, int], LandingSlot] = {}
 
     async def rank(req_id: str, r: int) -> None:
         encoded = await client.encode(req_id, requests[req_id], receive_count=TP)
-        if embedding_size is not None:
-            assert encoded.embedding_size == embedding_size
+        if row_bytes is not None:
+            assert encoded.embedding_size == len(requests[req_id]) * row_bytes
         slot = pools[r].allocate(encoded.embedding_size)
         sent = await client.send(req_id, pools[r].session_id, slot.address)
         slot.verify(sent.embedding_size, sent.checksum)
@@ -97,3 +100,24 @@ async def run_ranks(
                 for r in range(TP):
                     nursery.start_soon(rank, req_id, r)
     return landed
+
+
+async def serve_small_model_to_every_rank(
+    rank_engines: RankEngines, encoder: ImageEncoder, requests: dict[str, list[str]]
+) -> str:
+    """Serve ``requests`` (for :data:`~support.models.SMALL` models) to every rank at once over
+    HTTP; each rank's copy of each request must be, byte for byte, what the model computes
+    directly. Returns ``/metrics`` once settled."""
+    images = sum(len(uris) for uris in requests.values())
+    async with (
+        http_server(rank_engines.server, encoder=encoder) as harness,
+        landing_pools(rank_engines, images * SMALL_ROW + 4096) as pools,
+    ):
+        landed = await run_ranks(harness.client, pools, requests, row_bytes=SMALL_ROW)
+        text = await harness.settled()
+        for req_id, uris in requests.items():
+            expected = direct(encoder, uris)
+            for r in range(TP):
+                copy = landed[req_id, r].read(*expected.shape, "float32")
+                assert torch.equal(copy, expected), (req_id, r)
+    return text

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from trio_encode.client import LandingSlot
 from trio_encode.encoder import (
     EncoderSettings,
     FixedShape,
@@ -13,8 +12,6 @@ from trio_encode.encoder import (
     VisionModel,
 )
 from trio_encode.encoder.images import load_item
-
-from .engines import TP
 
 
 def fixed(model: VisionModel) -> VisionBackend:
@@ -34,6 +31,8 @@ SMALL = EncoderSettings(
     max_batch_size=8,
     arena_bytes=0,  # the HTTP tests of per-request registration; test_http_arena sets its own
 )
+SMALL_ROW = 16 * 256 * 4
+"""Bytes of one image's embedding with :data:`SMALL` (16 tokens of 256 floats)."""
 
 
 def direct(encoder: ImageEncoder, uris: list[str]) -> torch.Tensor:
@@ -44,16 +43,3 @@ def direct(encoder: ImageEncoder, uris: list[str]) -> torch.Tensor:
         with torch.inference_mode():
             rows.append(encoder.model.encode([image])[0])
     return torch.cat(rows)
-
-
-def assert_every_rank_got_the_model_output(
-    encoder: ImageEncoder,
-    requests: dict[str, list[str]],
-    landed: dict[tuple[str, int], LandingSlot],
-) -> None:
-    """Each rank's copy of each request is, byte for byte, what the model computes directly."""
-    for req_id, uris in requests.items():
-        expected = direct(encoder, uris)
-        for r in range(TP):
-            copy = landed[req_id, r].read(*expected.shape, "float32")
-            assert torch.equal(copy, expected), (req_id, r)
