@@ -25,7 +25,6 @@ from trio_encode.engine.threads import ThreadSettings
 from trio_encode.errors import (
     EncodeFailed,
     InternalError,
-    InvalidInput,
     Overloaded,
     RequestReleased,
     ShuttingDown,
@@ -345,12 +344,7 @@ async def test_invalid_input_from_the_encoder_is_not_remembered(
 ) -> None:
     """Bad input leaves nothing behind either (unchanged by the tombstone rework)."""
     async with lifecycle_rig() as rig:
-        bad = rig.failing_encoder()
-        bad.error = InvalidInput("not an image")
-        await rig.open("bad", bad)
-        with pytest.raises(InvalidInput):
-            await rig.registry.require_live("bad").wait_encoded()
-        await trio.testing.wait_all_tasks_blocked()
+        await rig.open_bad_input("bad")
         assert rig.registry.find_live("bad") is None
 
 

@@ -19,7 +19,6 @@ from trio_encode.embedding import Embedding
 from trio_encode.engine import TRANSFER_FAILED, EngineError
 from trio_encode.errors import (
     EncodeFailed,
-    InvalidInput,
     ReceiveCountConflict,
     RequestReleased,
     ScopeExpired,
@@ -475,12 +474,7 @@ async def test_registry_rules(autojump_clock: trio.testing.MockClock) -> None:
         with pytest.raises(ReceiveCountConflict):
             await rig.registry.open("r1", receive_count=3, encode=encode)
 
-        bad = rig.failing_encoder()
-        bad.error = InvalidInput("not an image")
-        await rig.open("bad", bad)
-        with pytest.raises(InvalidInput):
-            await rig.registry.require_live("bad").wait_encoded()
-        await trio.testing.wait_all_tasks_blocked()
+        await rig.open_bad_input("bad")
         with pytest.raises(UnknownRequest):
             rig.registry.require_live("bad")
 

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
+import pytest
 import torch
 import trio
 import trio.testing
@@ -197,6 +198,16 @@ class Rig:
 
     def failing_encoder(self, message: str = "CUDA out of memory") -> EncoderScript:
         return EncoderScript(error=EncodeFailed(message))
+
+    async def open_bad_input(self, req_id: str) -> None:
+        """Open ``req_id`` with an encoder that finds its input bad; the scope raises that
+        :class:`InvalidInput`, and every task settles."""
+        bad = self.failing_encoder()
+        bad.error = InvalidInput("not an image")
+        await self.open(req_id, bad)
+        with pytest.raises(InvalidInput):
+            await self.registry.require_live(req_id).wait_encoded()
+        await trio.testing.wait_all_tasks_blocked()
 
     async def assert_completed(self, scope: RequestScope) -> None:
         """``scope`` ends because every receiver got its copy; then nothing is left held."""
