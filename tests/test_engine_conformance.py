@@ -45,6 +45,11 @@ async def expect_error(call: str, code: int, awaitable: Any) -> EngineError:
     return info.value
 
 
+async def transfer_fails(sender: TransferEngine, write: Write) -> EngineError:
+    """``write`` fails as a whole, with the one code Mooncake gives any failed transfer."""
+    return await expect_error("transfer", TRANSFER_FAILED, sender.transfer(write))
+
+
 # -- the same rules, both engines ---------------------------------------------------------------
 
 
@@ -162,10 +167,8 @@ async def test_segments_past_the_destination_fail(
     await engine_pair.sender.register(addr(source), 8 * KIB)
     await engine_pair.receiver.register(addr(dest), 6 * KIB)
     pieces = [(addr(source), 4 * KIB), (addr(source, 4 * KIB), 4 * KIB)]
-    await expect_error(
-        "transfer",
-        TRANSFER_FAILED,
-        engine_pair.sender.transfer(Write(engine_pair.receiver.session_id, pieces, addr(dest))),
+    await transfer_fails(
+        engine_pair.sender, Write(engine_pair.receiver.session_id, pieces, addr(dest))
     )
 
 
@@ -175,12 +178,9 @@ async def test_transfer_to_unregistered_destination_fails(
     source = buffers.pattern(4 * KIB)
     dest = buffers.zeros(4 * KIB)
     await engine_pair.sender.register(addr(source), 4 * KIB)
-    error = await expect_error(
-        "transfer",
-        TRANSFER_FAILED,
-        engine_pair.sender.transfer(
-            Write(engine_pair.receiver.session_id, [(addr(source), 4 * KIB)], addr(dest))
-        ),
+    error = await transfer_fails(
+        engine_pair.sender,
+        Write(engine_pair.receiver.session_id, [(addr(source), 4 * KIB)], addr(dest)),
     )
     assert error.session_id == engine_pair.receiver.session_id
     assert error.address == addr(source)
@@ -203,12 +203,9 @@ async def test_transfer_beyond_one_registration_fails(
     await engine_pair.sender.register(addr(source), 4 * KIB)
     for offset, length in dest_registrations:
         await engine_pair.receiver.register(addr(dest, offset), length)
-    await expect_error(
-        "transfer",
-        TRANSFER_FAILED,
-        engine_pair.sender.transfer(
-            Write(engine_pair.receiver.session_id, [(addr(source), 4 * KIB)], addr(dest, 2 * KIB))
-        ),
+    await transfer_fails(
+        engine_pair.sender,
+        Write(engine_pair.receiver.session_id, [(addr(source), 4 * KIB)], addr(dest, 2 * KIB)),
     )
     assert not dest.any()
 
@@ -217,12 +214,9 @@ async def test_transfer_to_dead_session_fails(engine_pair: EnginePair, buffers: 
     source = buffers.pattern(4 * KIB)
     dest = buffers.zeros(4 * KIB)
     await engine_pair.sender.register(addr(source), 4 * KIB)
-    error = await expect_error(
-        "transfer",
-        TRANSFER_FAILED,
-        engine_pair.sender.transfer(
-            Write(engine_pair.dead_session_id, [(addr(source), 4 * KIB)], addr(dest))
-        ),
+    error = await transfer_fails(
+        engine_pair.sender,
+        Write(engine_pair.dead_session_id, [(addr(source), 4 * KIB)], addr(dest)),
     )
     assert error.session_id == engine_pair.dead_session_id
     assert engine_pair.dead_session_id in str(error)
@@ -266,17 +260,9 @@ async def test_memory_transfer_from_unregistered_source_fails(
     sender, receiver = fabric.engine(), fabric.engine()
     source, dest = buffers.pattern(4 * KIB), buffers.zeros(4 * KIB)
     await receiver.register(addr(dest), 4 * KIB)
-    await expect_error(
-        "transfer",
-        TRANSFER_FAILED,
-        sender.transfer(Write(receiver.session_id, [(addr(source), 4 * KIB)], addr(dest))),
-    )
+    await transfer_fails(sender, Write(receiver.session_id, [(addr(source), 4 * KIB)], addr(dest)))
     await sender.register(addr(source), 2 * KIB)  # part of the source is not enough
-    await expect_error(
-        "transfer",
-        TRANSFER_FAILED,
-        sender.transfer(Write(receiver.session_id, [(addr(source), 4 * KIB)], addr(dest))),
-    )
+    await transfer_fails(sender, Write(receiver.session_id, [(addr(source), 4 * KIB)], addr(dest)))
     assert not dest.any()
 
 
@@ -287,11 +273,7 @@ async def test_memory_closed_receiver_is_dead(fabric: InMemoryFabric, buffers: B
     await receiver.register(addr(dest), KIB)
     receiver.close()
     assert fabric.lookup(receiver.session_id) is None
-    await expect_error(
-        "transfer",
-        TRANSFER_FAILED,
-        sender.transfer(Write(receiver.session_id, [(addr(source), KIB)], addr(dest))),
-    )
+    await transfer_fails(sender, Write(receiver.session_id, [(addr(source), KIB)], addr(dest)))
     assert not dest.any()
 
 
@@ -391,10 +373,8 @@ async def test_memory_deregister_during_transfer_is_a_violation(
     async with trio.open_nursery() as nursery:
 
         async def transfer() -> None:
-            await expect_error(
-                "transfer",
-                TRANSFER_FAILED,
-                sender.transfer(Write(receiver.session_id, [(addr(source), 4 * KIB)], addr(dest))),
+            await transfer_fails(
+                sender, Write(receiver.session_id, [(addr(source), 4 * KIB)], addr(dest))
             )
 
         nursery.start_soon(transfer)

@@ -75,6 +75,18 @@ def invalid(id: str, route: str, body: Body, message: str, req_id: str | None = 
     return Case(id, route, body, 400, message, req_id, kind="invalid_input")
 
 
+def released(id: str, route: str, body: Body) -> Case:
+    """A call naming request ``done``, which completed before it: 410."""
+    return Case(
+        id, route, body, 410, "released", "done", {"done": 1}, complete_first=True, kind="released"
+    )
+
+
+def conflicting_count(id: str, route: str, body: Body) -> Case:
+    """A call naming receive_count 3 for request ``live``, opened with 2: 409."""
+    return Case(id, route, body, 409, "conflicts with 2", "live", {"live": 2}, kind="conflict")
+
+
 CASES = [
     invalid("malformed-json", "/encode", b'{"req_id": "r", ', "not valid JSON", None),
     invalid("empty-body", "/encode", b"", "not valid JSON", None),
@@ -145,28 +157,8 @@ CASES = [
         "nobody",
         kind="unknown_request",
     ),
-    Case(
-        "send-released-req-id",
-        "/send",
-        lambda c: c.send_body("done"),
-        410,
-        "released",
-        "done",
-        open={"done": 1},
-        complete_first=True,
-        kind="released",
-    ),
-    Case(
-        "encode-released-req-id",
-        "/encode",
-        encode("done"),
-        410,
-        "released",
-        "done",
-        open={"done": 1},
-        complete_first=True,
-        kind="released",
-    ),
+    released("send-released-req-id", "/send", lambda c: c.send_body("done")),
+    released("encode-released-req-id", "/encode", encode("done")),
     Case(
         "send-dead-session",
         "/send",
@@ -187,25 +179,11 @@ CASES = [
         open={"live": 2},
         kind="engine_failed",
     ),
-    Case(
-        "send-conflicting-receive-count",
-        "/send",
-        lambda c: c.send_body("live", receive_count=3),
-        409,
-        "conflicts with 2",
-        "live",
-        open={"live": 2},
-        kind="conflict",
+    conflicting_count(
+        "send-conflicting-receive-count", "/send", lambda c: c.send_body("live", receive_count=3)
     ),
-    Case(
-        "encode-conflicting-receive-count",
-        "/encode",
-        encode("live", receive_count=3),
-        409,
-        "conflicts with 2",
-        "live",
-        open={"live": 2},
-        kind="conflict",
+    conflicting_count(
+        "encode-conflicting-receive-count", "/encode", encode("live", receive_count=3)
     ),
     Case(
         "encoder-fails",
