@@ -21,16 +21,16 @@ PYPROJECT = nox.project.load_toml("pyproject.toml")
 
 
 def _install(session: nox.Session, *extras_and_groups: str) -> None:
-    """Install the package with extras and dependency groups. Without byte-compiling: every
-    session has a fresh environment, and compiling all of torch and transformers up front
-    took about a minute of each install; Python compiles what a run imports as it goes."""
     extras = [e for e in extras_and_groups if not e.startswith("group:")]
     groups = [g.removeprefix("group:") for g in extras_and_groups if g.startswith("group:")]
     requirements: list[str] = []
     for group in groups:
         requirements += nox.project.dependency_groups(PYPROJECT, group)
     target = f".[{','.join(extras)}]" if extras else "."
-    session.install("--no-compile", "-c", "constraints.txt", target, *requirements)
+    # Byte-compiled at install (about a minute of each install): with PYTHONDONTWRITEBYTECODE
+    # set, as on the CI machine, nothing imported later would ever be cached, and every child
+    # process and mutant run would compile torch again.
+    session.install("-c", "constraints.txt", target, *requirements)
 
 
 @nox.session(python=PYTHON)
