@@ -14,6 +14,21 @@ from typing import Self
 
 from trio_encode.engine.base import EngineCall, EngineError, engine_code_meaning
 
+MAX_MESSAGE_CHARS = 2048
+"""An error's message is cut to this many characters. Messages quote what a client sent (a
+host, a modality, a path); what goes back in an error body, a completion message or a log
+line must cost in proportion to the server's words, not to the client's."""
+QUOTED_CHARS = 80
+"""A client's string quoted in a message shows at most this many characters."""
+
+
+def clip(value: str) -> str:
+    """``repr(value)`` for quoting a client's string in a message, cut to
+    :data:`QUOTED_CHARS` characters (and saying how long it was)."""
+    if len(value) <= QUOTED_CHARS:
+        return repr(value)
+    return f"{value[:QUOTED_CHARS]!r}... ({len(value)} chars)"
+
 
 class RequestError(Exception):
     """Base class: a request could not be served, for a reason a client can act on."""
@@ -26,6 +41,9 @@ class RequestError(Exception):
     """Seconds after which a retry may succeed (sent as ``Retry-After``); None: do not retry."""
 
     def __init__(self, message: str, *, req_id: str | None = None) -> None:
+        if len(message) > MAX_MESSAGE_CHARS:
+            cut = len(message) - MAX_MESSAGE_CHARS
+            message = f"{message[:MAX_MESSAGE_CHARS]}... ({cut} more chars cut)"
         super().__init__(message)
         self.message = message
         self.req_id = req_id

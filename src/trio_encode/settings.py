@@ -101,6 +101,10 @@ class ServerSettings(BaseSettings):
     """Port to listen on; 0 picks a free one and logs it."""
     max_body_bytes: ByteSize = server_setting(64 * MiB, gt=0)
     """Larger request bodies are refused with 413."""
+    max_bodies_in_flight_bytes: ByteSize = server_setting(256 * MiB, gt=0)
+    """Request bytes held at once, all connections together; one client address holds at most
+    half of it. A body that would pass either gets 503 (Retry-After) before more of it is read,
+    so slow or many uploads cannot take the memory other requests need."""
     max_control_body_bytes: ByteSize = server_setting(64 * KiB, gt=0)
     """Bodies of every route but /encode (/send, pulls: a few hundred bytes); larger ones are
     refused with 413 as they arrive."""

@@ -11,10 +11,11 @@ address or changes state.
 
 Bodies: only ``/encode`` carries images; every other route takes at most
 ``max_control_body_bytes``, refused (413) from its ``Content-Length`` or as soon as more
-arrives (:class:`_ControlBodyLimit`, in front of the app), so a stream of junk to ``/send`` is
-never buffered. A ``/send`` may name only a
-receiver host in ``allowed_receivers`` (403 otherwise, before anything is looked up), and each
-client (by address) has at most ``max_sends_per_client`` ``/send`` calls in flight (503).
+arrives (:class:`_BodyLimits`, in front of the app), so a stream of junk to ``/send`` is
+never buffered; all bodies in flight together hold at most ``max_bodies_in_flight_bytes`` (503
+beyond it). A ``/send`` may name only a receiver host in ``allowed_receivers`` (403 otherwise,
+before anything is looked up), and each client (by address) has at most
+``max_sends_per_client`` ``/send`` calls in flight (503).
 
 Every answer is counted and timed by route; with ``access_log`` on, it is also logged as one
 line on the ``trio_encode.access`` logger.
@@ -32,7 +33,14 @@ import trio
 from quart import Response, g, jsonify, request
 from quart_trio import QuartTrio
 
-from trio_encode.errors import NotReady, Overloaded, ReceiverNotAllowed, ShuttingDown, TooLarge
+from trio_encode.errors import (
+    NotReady,
+    Overloaded,
+    ReceiverNotAllowed,
+    ShuttingDown,
+    TooLarge,
+    clip,
+)
 from trio_encode.receivers import receiver_host
 from trio_encode.request_types import Receiver
 from trio_encode.server.errors import error_response, install_error_handlers, unauthorized
@@ -56,48 +64,107 @@ _IMAGE_ROUTES = frozenset({"/encode"})
 access_log = logging.getLogger("trio_encode.access")
 
 _CUT = "trio_encode.body_cut"
-"""The ASGI scope's key set when :class:`_ControlBodyLimit` cut a body short."""
+"""The ASGI scope's key set when :class:`_BodyLimits` cut a body at its route's limit."""
+_BODY_END = {"type": "http.request", "body": b"", "more_body": False}
+_OVER_BUDGET = "trio_encode.body_over_budget"
+"""The ASGI scope's key set when :class:`_BodyLimits` refused a body over the total budget."""
 
 
-class _ControlBodyLimit:
-    """ASGI middleware: the body of every route but the image routes ends at ``limit`` bytes.
+class _BodyLimits:
+    """ASGI middleware: what request bodies may cost, counted as their bytes stream in.
 
+    Per route: the body of every route but the image routes ends at ``control_limit`` bytes.
     Quart buffers a body as it arrives, up to the app-wide ``MAX_CONTENT_LENGTH`` (sized for
-    images), and has no public per-route bound on that buffer. This counts the body's bytes as
-    they stream in; the chunk that would pass ``limit`` is not handed on: the app sees the body
-    end there, and the scope says it was cut (the handler then answers 413). Whatever the client
-    still sends is read and dropped, never kept."""
+    images), and has no public per-route bound on that buffer.
 
-    def __init__(self, app: Callable[..., Awaitable[None]], limit: int) -> None:
+    In total: every request reserves its body's bytes from one budget (``budget``; one client
+    address at most half of it) for as long as its handler runs, since the handler holds the
+    body until it answers. A declared ``Content-Length`` is reserved before a byte is read; a
+    chunked body as it arrives.
+
+    A body over either bound is not handed on: the app sees it end there, and the scope says
+    why (:data:`_CUT` or :data:`_OVER_BUDGET`; the handler answers 413 or 503). Whatever the
+    client still sends is read and dropped, never kept."""
+
+    def __init__(
+        self, app: Callable[..., Awaitable[None]], *, control_limit: int, budget: int
+    ) -> None:
         self.app = app
-        self.limit = limit
+        self.control_limit = control_limit
+        self.budget = budget
+        self.held = 0
+        self._held_by: Counter[str] = Counter()
+
+    def _reserve(self, client: str, nbytes: int) -> bool:
+        if self.held + nbytes > self.budget or 2 * (self._held_by[client] + nbytes) > self.budget:
+            return False
+        self.held += nbytes
+        self._held_by[client] += nbytes
+        return True
+
+    def _release(self, client: str, nbytes: int) -> None:
+        self.held -= nbytes
+        self._held_by[client] -= nbytes
+        if not self._held_by[client]:
+            del self._held_by[client]
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["path"] in _IMAGE_ROUTES:
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = None if scope["path"] in _IMAGE_ROUTES else self.control_limit
+        client = scope["client"][0] if scope.get("client") else "unknown"
+        declared = _content_length(scope)
+        reserved = 0
+        if declared and (limit is None or declared <= limit):
+            if self._reserve(client, declared):
+                reserved = declared
+            else:
+                scope[_OVER_BUDGET] = True
         received = 0
 
-        async def counted() -> dict[str, Any]:
-            nonlocal received
-            message: dict[str, Any] = await receive()
-            while scope.get(_CUT) and message["type"] == "http.request":
-                message = await receive()  # the rest of a cut body: dropped
-            if message["type"] == "http.request" and not scope.get(_CUT):
-                received += len(message.get("body", b""))
-                if received > self.limit:
-                    scope[_CUT] = True
-                    return {"type": "http.request", "body": b"", "more_body": False}
-            return message
+        def refused() -> bool:
+            return bool(scope.get(_CUT) or scope.get(_OVER_BUDGET))
 
-        await self.app(scope, counted, send)
+        async def counted() -> dict[str, Any]:
+            nonlocal received, reserved
+            if refused():  # the app sees the body end; the client's rest is never read
+                return _BODY_END
+            message: dict[str, Any] = await receive()
+            if message["type"] != "http.request":
+                return message
+            received += len(message.get("body", b""))
+            if limit is not None and received > limit:
+                scope[_CUT] = True
+            elif received > reserved:
+                if self._reserve(client, received - reserved):
+                    reserved = received
+                else:
+                    scope[_OVER_BUDGET] = True
+            return _BODY_END if refused() else message
+
+        try:
+            await self.app(scope, counted, send)
+        finally:
+            self._release(client, reserved)
+
+
+def _content_length(scope: Any) -> int | None:
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            return int(value) if value.isdigit() and len(value) <= 19 else None
+    return None
 
 
 def create_app(service: EncodeService, metrics: Metrics, settings: ServerSettings) -> Any:
     """Build the app serving ``service``; metrics count every answer."""
     app = QuartTrio(__name__)
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
-    limited = _ControlBodyLimit(app.asgi_app, settings.max_control_body_bytes)
+    limited = _BodyLimits(
+        app.asgi_app,
+        control_limit=settings.max_control_body_bytes,
+        budget=settings.max_bodies_in_flight_bytes,
+    )
     app.asgi_app = limited  # type: ignore[method-assign]  # Quart's documented middleware hook
     install_error_handlers(app)
     expected = f"Bearer {settings.token}".encode() if settings.token else None
@@ -125,6 +192,12 @@ def create_app(service: EncodeService, metrics: Metrics, settings: ServerSetting
 
     async def read_body() -> bytes:
         data: bytes = await request.get_data(cache=False, as_text=False, parse_form_data=False)
+        if request.scope.get(_OVER_BUDGET):
+            raise Overloaded(
+                f"request bodies in flight are at max_bodies_in_flight_bytes "
+                f"({settings.max_bodies_in_flight_bytes} bytes; one client at most half); "
+                "retry when some have been answered"
+            )
         if request.scope.get(_CUT):
             raise TooLarge(
                 f"{request.path} takes bodies of at most {settings.max_control_body_bytes} bytes"
@@ -154,7 +227,7 @@ def create_app(service: EncodeService, metrics: Metrics, settings: ServerSetting
     def refuse_unless_allowed(host: str, what: str, req_id: str) -> None:
         if not receivers.allows(host):
             raise ReceiverNotAllowed(
-                f"{what} host {host!r} is not one this server sends to (allowed_receivers)",
+                f"{what} host {clip(host)} is not one this server sends to (allowed_receivers)",
                 req_id=req_id,
             )
 

@@ -152,6 +152,9 @@ class Exposed:
     """Answered HTTP requests."""
     request_seconds = _Metric(Histogram, ("route",), buckets=_REQUEST_BUCKETS)
     """Time from a request's arrival to its answer, by route."""
+    connection_failures = _Metric(Counter, ("kind",))
+    """Connections closed because their server task raised (contained: the process and the
+    other connections go on), by the exceptions' class names."""
 
     # Request scopes.
     live_scopes = _Metric(Gauge)
@@ -286,6 +289,7 @@ class Metrics:
         )
         self.exposed = Exposed(r)
         self._queue_depth: QueueDepth | None = None
+        self._connection_failures: dict[str, int] = {}
         self.exposed.encoder_queue_images.set_function(
             lambda: self._queue_depth.queued_images if self._queue_depth is not None else 0
         )
@@ -315,6 +319,12 @@ class Metrics:
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
         return generate_latest(self.registry)
+
+    def connection_failed(self, kind: str) -> int:
+        """Count a connection whose server task failed; how many have, with this kind."""
+        self._connection_failures[kind] = self._connection_failures.get(kind, 0) + 1
+        self.exposed.connection_failures.labels(kind=kind).inc()
+        return self._connection_failures[kind]
 
     def request_answered(self, route: str, status: int, seconds: float) -> None:
         self.exposed.requests_total.labels(route=route, status=str(status)).inc()

@@ -26,7 +26,7 @@ from pydantic import (
 )
 
 from trio_encode.completion import Endpoint
-from trio_encode.errors import InvalidInput
+from trio_encode.errors import InvalidInput, clip
 from trio_encode.request_types import EmbeddingShape, SendReport, grid_dim
 from trio_encode.service import EncodeReport
 
@@ -37,6 +37,14 @@ MAX_RECEIVE_COUNT = 1024
 """The most receivers one request may name: far above any tensor-parallel size, low enough that
 a request cannot keep its scope (and its memory) waiting for receivers that cannot exist."""
 Count = Annotated[StrictInt, Field(ge=1, le=MAX_RECEIVE_COUNT)]
+MAX_PARTS = 1024
+"""The most parts one request may be split into (SGLang splits a request's items across its
+encode servers: one part per server, at most one per item). Bounded like ``receive_count``:
+the number reaches completion messages (a ZMQ frame packs it in 64 bits) and failure
+handling, so an unbounded one could end a task or cost time in proportion to a number the
+client made up."""
+PartCount = Annotated[StrictInt, Field(ge=1, le=MAX_PARTS)]
+PartIndex = Annotated[StrictInt, Field(ge=0, lt=MAX_PARTS)]
 
 MAX_JSON_VALUES = 4096
 """At most this many JSON objects, arrays and ``,``-separated values in one body. A request's
@@ -68,8 +76,8 @@ class EncodeRequest(_Body):
     mm_items: Annotated[list[StrictStr | MediaItem], Field(min_length=1)]
     modality: StrictStr = "IMAGE"
     receive_count: Count | None = None
-    num_parts: Annotated[StrictInt, Field(gt=0)] | None = None
-    part_idx: Annotated[StrictInt, Field(ge=0)] | None = None
+    num_parts: PartCount | None = None
+    part_idx: PartIndex | None = None
     prefill_host: StrictStr | None = None
     embedding_port: StrictInt | list[StrictInt] | None = None
     hashes: (
@@ -92,7 +100,7 @@ class EncodeRequest(_Body):
         if value.upper() not in IMAGE_MODALITIES:
             supported = ", ".join(IMAGE_MODALITIES)
             raise ValueError(
-                f"modality {value!r} is not supported: this server encodes images ({supported})"
+                f"modality {clip(value)} is not supported: this server encodes images ({supported})"
             )
         return value.upper()
 
@@ -130,7 +138,7 @@ class PullRequest(_Body):
     """SGLang's ``/scheduler_receive_meta_data``: wait for a part's sizes."""
 
     req_id: ReqId
-    part_idx: Annotated[StrictInt, Field(ge=0)] | None = None
+    part_idx: PartIndex | None = None
     receive_count: Count | None = None
 
 
@@ -144,7 +152,7 @@ class SendRequest(_Body):
     """An int names the rank's ZMQ endpoint (with ``prefill_host``): SGLang's completion
     message goes there once the bytes landed. A list (an echoed ``/encode`` answer) names
     no single rank and is ignored."""
-    part_idx: Annotated[StrictInt, Field(ge=0)] | None = None
+    part_idx: PartIndex | None = None
 
     @model_validator(mode="after")
     def _endpoint_valid(self) -> SendRequest:
@@ -163,7 +171,7 @@ class SendRequest(_Body):
     def _host_port(cls, value: str) -> str:
         match = _SESSION_ID.match(value)
         if match is None or not 0 < int(match.group(1)) <= 65535:
-            raise ValueError(f"session_id must be 'host:port', got {value!r}")
+            raise ValueError(f"session_id must be 'host:port', got {clip(value)}")
         return value
 
 

@@ -24,12 +24,12 @@ from typing import TYPE_CHECKING
 
 import trio
 from hypercorn.config import Config, Sockets
-from hypercorn.trio.run import worker_serve
 from hypercorn.utils import wrap_app
 
 from trio_encode.engine import TransferEngine
 from trio_encode.server import heap
 from trio_encode.server.app import create_app
+from trio_encode.server.connections import serve_connections
 from trio_encode.server.listeners import WILDCARDS, listening_sockets
 from trio_encode.server.loading import LoadingEncoder
 from trio_encode.server.metrics import Metrics
@@ -115,10 +115,18 @@ async def serve(
         metrics.attach(service)
         warn_any_receiver(settings)
         app = create_app(service, metrics, settings)
+        config = _hypercorn_config(settings)
         stop_listening = trio.Event()
         async with trio.open_nursery() as nursery:
             binds = await nursery.start(
-                _serve_http, app, _hypercorn_config(settings), stop_listening, sockets
+                partial(
+                    serve_connections,
+                    wrap_app(app, config.wsgi_max_body_size, "asgi"),
+                    config,
+                    sockets if sockets is not None else listen(settings),
+                    shutdown_trigger=stop_listening.wait,
+                    connection_failed=metrics.connection_failed,
+                )
             )
             running = RunningServer(binds[0], service, metrics)
             log.info("serving on %s (transfer engine %s)", running.url, engine.session_id)
@@ -149,23 +157,6 @@ async def serve(
     if leaked:
         log.error("%d registrations were still held at exit", leaked)
     return report
-
-
-async def _serve_http(
-    app: object,
-    config: Config,
-    stop_listening: trio.Event,
-    sockets: Sockets | None,
-    *,
-    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    await worker_serve(
-        wrap_app(app, config.wsgi_max_body_size, "asgi"),  # type: ignore[arg-type]
-        config,
-        sockets=sockets,
-        shutdown_trigger=stop_listening.wait,
-        task_status=task_status,
-    )
 
 
 async def _trim_heap(seconds: float, trimming: trio.CancelScope) -> None:

@@ -1,0 +1,120 @@
+"""The HTTP listener: hypercorn's per-connection server, each connection's failures contained.
+
+Hypercorn's Trio worker runs every connection's tasks in one nursery with its listeners, so an
+exception that escapes one connection ends them all, and the process with them. Such
+exceptions happen: with a handler that awaits before answering, a request whose body is cut
+short and then half-closed makes hypercorn send on one stream from two tasks
+(``trio.BusyResourceError``), which escapes its connection task; an h11 error at the socket
+layer does the same. This module owns the accept loop instead, and runs hypercorn's
+:class:`~hypercorn.trio.tcp_server.TCPServer` for each connection inside a handler that catches
+whatever that one connection raises: the connection is closed, the failure logged once with
+its kind and counted, and every other connection and request goes on.
+
+Everything else is hypercorn's own: the ASGI lifespan, the protocol, timeouts, keep-alive, and
+the graceful close (idle connections close at once, busy ones get ``graceful_timeout``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from functools import partial
+from typing import Any
+
+import trio
+from hypercorn.config import Config, Sockets
+from hypercorn.trio.lifespan import Lifespan
+from hypercorn.trio.statsd import StatsdLogger
+from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.trio.worker_context import WorkerContext
+from hypercorn.typing import AppWrapper, ConnectionState, LifespanState
+from hypercorn.utils import repr_socket_addr
+
+log = logging.getLogger(__name__)
+
+ConnectionFailed = Callable[[str], int]
+"""Told the kind (the exceptions' class names) of each connection that failed; returns how
+many connections have failed with that kind so far (the first one's trace is logged)."""
+
+
+async def serve_connections(
+    app: AppWrapper,
+    config: Config,
+    sockets: Sockets,
+    *,
+    shutdown_trigger: Callable[[], Awaitable[object]],
+    connection_failed: ConnectionFailed,
+    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve ``app`` on ``sockets`` (bound and listening; plain TCP) until
+    ``shutdown_trigger`` returns, then close gracefully. Started with ``nursery.start``, gives
+    the ``http://host:port`` of each socket once the app's lifespan has started."""
+    if sockets.secure_sockets or sockets.quic_sockets:
+        raise ValueError("only plain TCP sockets are served")
+    config.set_statsd_logger_class(StatsdLogger)
+    lifespan_state: LifespanState = {}
+    lifespan = Lifespan(app, config, lifespan_state)
+    context = WorkerContext(None)
+    async with trio.open_nursery() as lifespan_nursery:
+        await lifespan_nursery.start(lifespan.handle_lifespan)
+        await lifespan.wait_for_startup()
+        listeners = [
+            trio.SocketListener(trio.socket.from_stdlib_socket(sock))
+            for sock in sockets.insecure_sockets
+        ]
+        binds = [
+            f"http://{repr_socket_addr(sock.family, sock.getsockname())}"
+            for sock in sockets.insecure_sockets
+        ]
+        handler = partial(
+            _serve_one, app, config, context, lifespan_state, connection_failed=connection_failed
+        )
+        async with trio.open_nursery() as connections:
+            try:
+                async with trio.open_nursery() as accepting:
+                    accepting.start_soon(
+                        partial(trio.serve_listeners, handler_nursery=connections),
+                        handler,
+                        listeners,
+                    )
+                    task_status.started(binds)
+                    await shutdown_trigger()
+                    accepting.cancel_scope.cancel()
+            finally:
+                for listener in listeners:  # no new connections during the grace
+                    await trio.aclose_forcefully(listener)
+                # Hypercorn's close: idle keep-alive connections end now, busy ones finish
+                # their answer (and are told to close) within the grace.
+                await context.terminated.set()
+                connections.cancel_scope.deadline = trio.current_time() + config.graceful_timeout
+        await lifespan.wait_for_shutdown()
+        lifespan_nursery.cancel_scope.cancel()
+
+
+async def _serve_one(
+    app: AppWrapper,
+    config: Config,
+    context: WorkerContext,
+    lifespan_state: LifespanState,
+    stream: trio.SocketStream,
+    *,
+    connection_failed: ConnectionFailed,
+) -> None:
+    try:
+        await TCPServer(app, config, context, ConnectionState(lifespan_state.copy()), stream)  # type: ignore[arg-type]
+    except* Exception as group:
+        # One connection's failure: whatever hypercorn (or h11, or the socket) raised in its
+        # tasks. Cancellation (shutdown) is not caught and propagates as it should.
+        kind = ",".join(sorted({type(exc).__name__ for exc in _leaves(group)}))
+        if connection_failed(kind) == 1:  # a client can repeat it at will: its trace once
+            log.warning("closed a connection whose server task failed: %s", kind, exc_info=group)
+        else:
+            log.debug("closed a connection whose server task failed: %s", kind)
+        await trio.aclose_forcefully(stream)
+
+
+def _leaves(group: BaseExceptionGroup[Any]) -> list[BaseException]:
+    leaves: list[BaseException] = []
+    for exc in group.exceptions:
+        leaves += _leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc]
+    return leaves
