@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
@@ -196,3 +197,25 @@ async def test_a_row_changed_since_its_forward_is_never_sealed() -> None:
     await store._put_now("clean", torch.zeros(4), recorded, None)
     assert puts == ["failed", "stored"]
     assert client.stored == [store.entry_name("clean")]
+
+
+@pytest.mark.parametrize("secret", [None, b"the fleet's secret"])
+def test_a_store_without_a_fleet_secret_says_so_once_at_start(
+    caplog: pytest.LogCaptureFixture, secret: bytes | None
+) -> None:
+    """Without a secret a stranger's consistent entry is served undetected and no metric shows
+    it: the start-up log is the only place that can say so."""
+    with caplog.at_level(logging.WARNING, logger="trio_encode.encoder.store"):
+        MooncakeEmbeddingStore(
+            master="127.0.0.1:1", segment_bytes=1 << 20, buffer_bytes=1 << 20, wait=1.0,
+            secret=secret,
+        )  # fmt: skip
+    warnings = [r.getMessage() for r in caplog.records if r.name == "trio_encode.encoder.store"]
+    if secret is not None:
+        assert warnings == []
+        return
+    (warning,) = warnings
+    assert "127.0.0.1:1" in warning
+    assert "without a fleet secret" in warning
+    assert "lists every key" in warning
+    assert "--store-key-file" in warning

@@ -190,6 +190,21 @@ def _store_class() -> Any:
     return module.MooncakeDistributedStore
 
 
+def _warn_unkeyed(master: str) -> None:
+    """Say at start what an unkeyed store exposes: nothing else would, and the forgery it
+    allows is consistent, so no metric ever shows it."""
+    log.warning(
+        "the Mooncake Store at %s runs without a fleet secret (store_key_file): whoever reaches "
+        "the master or a store client's port can put an entry with a consistent checksum that "
+        "every encoder of the fleet serves as the model's embedding, undetected; and the "
+        "master lists every key, and where its bytes lie, over HTTP to anyone who reaches its "
+        "metrics port (mooncake_master --metrics_host, 0.0.0.0 by default). Set "
+        "--store-key-file (TRIO_ENCODE_STORE_KEY_FILE) and firewall the store's ports "
+        "(docs/operations.md, Security)",
+        master,
+    )
+
+
 class MooncakeEmbeddingStore:
     """:class:`EmbeddingStore` over ``mooncake.store.MooncakeDistributedStore``.
 
@@ -220,6 +235,8 @@ class MooncakeEmbeddingStore:
         self.device = device
         self.observer: StoreObserver = observer or NullStoreObserver()
         self._seal = None if secret is None else _Seal(secret)
+        if self._seal is None:
+            _warn_unkeyed(master)
         self._client: Any | None = None
         self._warned_at = -math.inf
         self._unlogged = 0
