@@ -21,6 +21,8 @@ import torch
 from support.engines import DEAD_SESSION, RankEngines
 from support.harness import Harness, http_server, landing_pools
 from trio_encode.client import LandingPool
+from trio_encode.errors import MAX_MESSAGE_CHARS
+from trio_encode.server.schemas import MAX_PARTS
 from trio_encode.testing.images import image_uri
 from trio_encode.testing.stand_in_encoder import embedding_size
 
@@ -112,6 +114,24 @@ CASES = [
     invalid("receive-count-zero", "/encode", encode(receive_count=0), "receive_count"),
     invalid("receive-count-string", "/encode", encode(receive_count="4"), "receive_count"),
     invalid("modality-video", "/encode", encode(modality="VIDEO"), "(IMAGE, MULTI_IMAGES)"),
+    # Quoted, a client's string shows its first characters and its length, never all of it.
+    invalid("modality-huge", "/encode", encode(modality="V" * 50_000), "... (50000 chars)"),
+    # Integers that reach a completion message are bounded, however many digits they have.
+    invalid("num-parts-huge", "/encode", encode(num_parts=2**2100), "num_parts"),
+    invalid("num-parts-over-max", "/encode", encode(num_parts=MAX_PARTS + 1), f"{MAX_PARTS}"),
+    invalid("part-idx-huge", "/encode", encode(num_parts=2, part_idx=2**2100), "part_idx"),
+    invalid(
+        "send-part-idx-huge",
+        "/send",
+        {"req_id": "r", "session_id": "h:1", "buffer_address": 4096, "part_idx": 2**2100},
+        "part_idx",
+    ),
+    invalid(
+        "pull-part-idx-huge",
+        "/scheduler_receive_meta_data",
+        {"req_id": "r", "part_idx": 2**2100},
+        "part_idx",
+    ),
     Case(
         "body-too-large",
         "/encode",
@@ -241,6 +261,7 @@ async def test_bad_input_gets_a_contract_error_and_leaves_nothing(
             assert "registered" in answer["engine_meaning"]
         assert case.message in answer["message"]
         assert "Traceback" not in answer["message"]
+        assert len(answer["message"]) <= MAX_MESSAGE_CHARS + 40  # the server's words, bounded
         assert answer["req_id"] == case.req_id
         if not case.complete_first:
             for req_id, receive_count in case.open.items():

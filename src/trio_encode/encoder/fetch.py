@@ -107,7 +107,13 @@ class RemoteFetcher:
             self.policy.max_bytes if max_bytes is None else min(max_bytes, self.policy.max_bytes)
         )
         with trio.move_on_after(self.policy.timeout) as timer:
-            return await self._follow(url, limit)
+            try:
+                return await self._follow(url, limit)
+            except (UnicodeError, OverflowError) as exc:
+                # A host IDNA rejects (an empty or overlong label, a bad ``xn--`` label) raises
+                # UnicodeError out of httpx or getaddrinfo, a port past a C long OverflowError,
+                # for the URL and for every redirect's Location alike.
+                raise InvalidInput(f"cannot fetch {_short(url)}: {exc}") from None
         assert timer.cancelled_caught
         raise InvalidInput(f"fetching {_short(url)} took longer than {self.policy.timeout:g} s")
 
