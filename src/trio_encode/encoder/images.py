@@ -3,14 +3,21 @@
 Everything a client sends is untrusted: sizes are checked before any buffer is decoded, only
 the decoders of the formats below are ever run (Pillow's others, with their larger attack
 surface, never see client bytes), and every failure becomes an :class:`InvalidInput` whose
-message says what to change. An animated GIF or WebP contributes its first frame.
+message says what to change. An animated GIF, WebP or PNG contributes its first frame, and no
+other frame is ever decoded.
+
+A decode's cost is bounded before it is paid: the pixel count from the header, and the file's
+structure (scans, chunks, blocks, frames) from a pre-scan of its bytes (``image_scan.py``).
+A CPU-time budget per image backs both up wherever the decode can be stopped.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import bisect
 import io
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +26,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from trio_encode.encoder.image_scan import ImageTooComplex, scan
 from trio_encode.errors import InvalidInput
 
 # The media types a data URI may carry, and the Pillow decoder each one names.
@@ -34,6 +42,19 @@ _FILE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp"}
 # Whatever the URI's media type says, only these decoders run, each sniffing its own magic.
 _FORMATS = tuple(dict.fromkeys(_DATA_URI_TYPES.values()))
 _FORMAT_NAMES = "PNG, JPEG, WebP, GIF or BMP"
+
+DECODE_BUDGET_S = 5.0
+"""CPU seconds one image's decode may take (header and pixels). A 40 MP PNG or progressive
+JPEG (the default pixel limit) took 0.7 s where these were measured, a JPEG at the scan
+bounds of ``image_scan.py`` 1.5 s: this leaves room for slower cores, and is a backstop
+to the pre-scan, which refuses hostile files long before. Thread CPU time, not wall time: a
+decode waiting for a core is not the one being slow."""
+
+# The budget is CPU time, but reading that clock is a system call (~0.5 us, as long as a
+# small read): it is read only when the wall clock says the budget could be spent, since a
+# thread cannot use more CPU time than has passed. Tests replace both.
+_cpu_clock = time.thread_time
+_wall_clock = time.monotonic
 
 
 class ImageTooBig(InvalidInput):
@@ -131,25 +152,72 @@ def _too_big(size: int, max_bytes: int, *, at_least: bool = False) -> str:
     return f"image is {more}{size} bytes; the limit is {max_bytes} bytes per image"
 
 
-def decode_image(data: bytes, preprocess: Preprocess, *, max_pixels: int) -> torch.Tensor:
+def decode_image(
+    data: bytes, preprocess: Preprocess, *, max_pixels: int, budget_s: float = DECODE_BUDGET_S
+) -> torch.Tensor:
     """Decode image bytes to a normalised float32 ``(3, S, S)`` tensor.
 
-    The pixel count is checked from the header, before the image is decoded, so a small file
-    that declares huge dimensions costs nothing. Blocking: call it from a worker thread.
+    The pixel count is checked from the header and the structure from a pre-scan, before the
+    image is decoded, so a small file that declares huge dimensions, or thousands of scans or
+    chunks, costs nothing; ``budget_s`` bounds the decode's CPU time (see :func:`open_image`).
+    Blocking: call it from a worker thread.
     """
     # JPEG can decode at 1/2..1/8 scale directly, never below the size we need; a model's own
     # processor gets the full image, as it would in transformers.
     draft = preprocess.image_size if preprocess.prepare is None else None
-    rgb = open_image(data, max_pixels=max_pixels, draft=draft)
+    rgb = open_image(data, max_pixels=max_pixels, draft=draft, budget_s=budget_s)
     if preprocess.prepare is not None:
         return preprocess.prepare(rgb)
     return _normalise(_resize(rgb, preprocess), preprocess)
 
 
-def _open(data: bytes, max_pixels: int) -> Image.Image:
-    """The image with only its header read, its size checked against ``max_pixels``."""
+class _Budgeted(io.BytesIO):
+    """The image's bytes as Pillow reads them, with the decode's CPU-time budget checked on
+    every read. Once the header is parsed, a JPEG's reads also stop at each start of scan, so
+    that libjpeg gets one scan per call and the budget is checked between scans.
+
+    What runs inside one decoder call cannot be stopped: a WebP frame (libwebp decodes it
+    whole when Pillow loads it), libjpeg's final pass over a progressive image's coefficients,
+    and the pixels that one read (at most 64 KiB) of PNG or GIF data expands to. Those are
+    bounded by the pixel limit and the pre-scan, not by this budget."""
+
+    def __init__(self, data: bytes, budget_s: float) -> None:
+        super().__init__(data)
+        self.budget_s = budget_s
+        self.deadline = _cpu_clock() + budget_s
+        self.next_check = _wall_clock() + budget_s
+        self.stops: tuple[int, ...] = ()
+
+    def read(self, size: int | None = -1, /) -> bytes:
+        if _wall_clock() >= self.next_check:
+            cpu_left = self.deadline - _cpu_clock()
+            if cpu_left < 0:
+                raise ImageTooComplex(
+                    f"decoding the image took more than {self.budget_s:g} s of CPU time, the "
+                    "limit per image; it was stopped"
+                )
+            self.next_check = _wall_clock() + cpu_left
+        if self.stops:
+            at = self.tell()
+            index = bisect.bisect_right(self.stops, at)
+            if index < len(self.stops):
+                to_stop = self.stops[index] - at
+                size = to_stop if size is None or size < 0 else min(size, to_stop)
+        return super().read(size)
+
+
+def _open(data: bytes, max_pixels: int, budget_s: float) -> Image.Image:
+    """The image with only its header read, its structure and size checked, reading through a
+    :class:`_Budgeted` whose budget runs from now."""
+    layout = scan(data, max_pixels=max_pixels)  # raises ImageTooComplex
+    if layout.size is not None and layout.size[0] * layout.size[1] > max_pixels:
+        raise InvalidInput(_bomb(layout.size, max_pixels))  # before Pillow allocates it
+    # Pillow's BMP RLE decoder reads one byte at a time, in Python: a hook on every read would
+    # double its cost, which is linear in the file's bytes anyway (~2 s for 20 MiB at worst),
+    # and an uncompressed BMP is a plain copy. So a BMP is read without the budget.
+    reader = io.BytesIO(data) if data.startswith(b"BM") else _Budgeted(data, budget_s)
     try:
-        image = Image.open(io.BytesIO(data), formats=_FORMATS)
+        image = Image.open(reader, formats=_FORMATS)
     except UnidentifiedImageError:
         raise InvalidInput(f"the data is not a {_FORMAT_NAMES} image") from None
     except (Image.DecompressionBombError, Image.DecompressionBombWarning):
@@ -162,22 +230,34 @@ def _open(data: bytes, max_pixels: int) -> Image.Image:
         if width <= 0 or height <= 0:
             raise InvalidInput(f"the image has no pixels ({width}x{height})")
         raise InvalidInput(_bomb((width, height), max_pixels))
+    if isinstance(reader, _Budgeted):
+        # Pillow reads a header's parts whole; only the decode's reads may stop short.
+        reader.stops = layout.scan_starts
     return image
 
 
-def image_pixels(data: bytes, *, max_pixels: int) -> int:
+def image_pixels(data: bytes, *, max_pixels: int, budget_s: float = DECODE_BUDGET_S) -> int:
     """Width x height from the image's header alone (nothing is decoded), for the per-request
-    pixel budget. Raises :class:`InvalidInput` as :func:`decode_image` would for the header."""
-    with _open(data, max_pixels) as image:
+    pixel budget. Raises :class:`InvalidInput` as :func:`decode_image` would for the header
+    and the structure."""
+    with _open(data, max_pixels, budget_s) as image:
         width, height = image.size
         return int(width * height)
 
 
-def open_image(data: bytes, *, max_pixels: int, draft: int | None = None) -> Image.Image:
+def open_image(
+    data: bytes,
+    *,
+    max_pixels: int,
+    draft: int | None = None,
+    budget_s: float = DECODE_BUDGET_S,
+) -> Image.Image:
     """Decode image bytes to an upright RGB image (EXIF rotation applied), checking the pixel
-    count from the header first. ``draft``: a JPEG may be decoded at a reduced scale that
-    keeps both sides at least this. Blocking: call it from a worker thread."""
-    with _open(data, max_pixels) as image:
+    count from the header and the structure from a pre-scan first. ``draft``: a JPEG may be
+    decoded at a reduced scale that keeps both sides at least this. A decode past
+    ``budget_s`` CPU seconds is stopped at its next read (see :class:`_Budgeted`) with
+    :class:`ImageTooComplex`. Blocking: call it from a worker thread."""
+    with _open(data, max_pixels, budget_s) as image:
         width, height = image.size
         try:
             if draft is not None:
