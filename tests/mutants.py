@@ -366,6 +366,58 @@ MUTANTS: dict[str, Mutant] = {
         "        elif status == 0:\n            still.append(check)",
         ("tests/test_engine_polling.py::test_mooncakes_own_timeout_status_is_not_an_end",),
     ),
+    # What a hostile or careless client sends: each containment and bound.
+    "a connection's failure reaches the server's nursery (hostile)": Mutant(
+        "server/connections.py",
+        "    except* Exception as group:",
+        "    except* KeyError as group:",
+        (
+            "tests/test_server_connections.py::"
+            "test_a_connection_whose_server_task_raises_ends_alone",
+        ),
+    ),
+    "part numbers unbounded (hostile)": Mutant(
+        "server/schemas.py",
+        "PartIndex = Annotated[StrictInt, Field(ge=0, lt=MAX_PARTS)]",
+        "PartIndex = Annotated[StrictInt, Field(ge=0)]",
+        (
+            "tests/test_http_bad_input.py::test_bad_input_gets_a_contract_error_and_leaves_nothing[send-part-idx-huge]",
+        ),
+    ),
+    "bodies in flight unbounded (hostile)": Mutant(
+        "server/app.py",
+        "        if self.held + nbytes > self.budget or 2 *",
+        "        if False and 2 *",
+        (
+            "tests/test_server_connections.py::"
+            "test_bodies_in_flight_share_one_budget_and_one_client_holds_half",
+        ),
+    ),
+    "a client's string echoed whole (hostile)": Mutant(
+        "errors.py",
+        "        if len(message) > MAX_MESSAGE_CHARS:",
+        "        if False:",
+        (
+            "tests/test_http_bad_input.py::test_bad_input_gets_a_contract_error_and_leaves_nothing[modality-huge]",
+        ),
+        also=(("errors.py", "    if len(value) <= QUOTED_CHARS:", "    if True:"),),
+    ),
+    "JPEG scans unbounded (hostile)": Mutant(
+        "encoder/image_scan.py",
+        "        if len(starts) > MAX_JPEG_SCANS:",
+        "        if False:",
+        (
+            "tests/test_encoder_image_bounds.py::test_a_jpeg_of_thousands_of_scans_is_refused_before_decoding",
+        ),
+    ),
+    "PNG chunks unbounded (hostile)": Mutant(
+        "encoder/image_scan.py",
+        '            if chunks > MAX_CHUNKS:\n                raise _over("PNG chunks',
+        '            if False:\n                raise _over("PNG chunks',
+        (
+            "tests/test_encoder_image_bounds.py::test_a_png_of_a_million_empty_chunks_is_refused_before_decoding",
+        ),
+    ),
 }
 
 
