@@ -40,16 +40,31 @@ def tests(session: nox.Session) -> None:
     session.run("pytest", *session.posargs)
 
 
+@nox.session(python=PYTHON, default=False)
+def hostile(session: nox.Session) -> None:
+    """The hostile-client suite at length (``tests/hostile``, the ``hostile`` marker): a real
+    ``trio-encode serve`` process scanned, cut off, fed bombs and fuzzed, its ``/livez``,
+    memory and an honest rank's bytes checked throughout (a few minutes on 2 cores). The short
+    sample of each case runs in ``tests``."""
+    _install(session, "mooncake", "hf", "bench", "group:tests")
+    session.run("pytest", "-m", "hostile", "tests/hostile", *session.posargs)
+
+
 @nox.session(python=PYTHON)
 def gpu(session: nox.Session) -> None:
-    """GPU checks on ``cuda:0`` (not a default session; needs a CUDA build of torch, so it
-    installs without ``constraints.txt``'s CPU pin): a tiny Qwen2.5-VL-shaped model served on
-    the GPU gives exactly transformers' own ``get_image_features`` on the same device, in
+    """GPU checks on ``cuda:0`` (not a default session): a tiny Qwen2.5-VL-shaped model served
+    on the GPU gives exactly transformers' own ``get_image_features`` on the same device, in
     float32 and bfloat16, through the pinned host arena (``tests/gpu``); then the bench's VLM
-    encoder row on ``cuda:0``."""
-    session.install(".[mooncake,hf,bench]", *nox.project.dependency_groups(PYPROJECT, "tests"))
-    session.run("pytest", "--gpu", "tests/gpu", *session.posargs)
-    session.run("trio-encode", "bench", "--vlm", "--device", "cuda:0")
+    encoder row on the GPU. The steps are ``tests/gpu/steps.py``; arguments after ``--`` go to
+    it: ``--device cuda:1``, ``--short`` (a bench of seconds), the rest to pytest. The normal
+    suite runs the same steps on the cpu (``tests/test_gpu_steps.py``), as does
+    ``nox -s gpu -- --device cpu --short``. On a GPU it installs without
+    ``constraints.txt``'s CPU pin (it needs a CUDA build of torch); on the cpu with it."""
+    if "cpu" in session.posargs or "--device=cpu" in session.posargs:
+        _install(session, "mooncake", "hf", "bench", "group:tests")
+    else:
+        session.install(".[mooncake,hf,bench]", *nox.project.dependency_groups(PYPROJECT, "tests"))
+    session.run("python", "tests/gpu/steps.py", *session.posargs)
 
 
 @nox.session(python=PYTHON)

@@ -1,9 +1,13 @@
 """``trio-encode``: ``serve`` runs the encode server; ``demo`` proves a whole round trip;
 ``bench`` measures the served paths against their raw parts; ``soak`` runs thousands of
-requests against a server process while ranks freeze and die and clients vanish.
+requests against a server process while ranks freeze and die and clients vanish;
+``make-tiny-model`` saves a small random-weight model to try ``serve --model`` with.
 
 No setting is declared here: each command's options are generated from its settings models
-(:mod:`trio_encode.options`), so the commands only build their settings and run.
+(:mod:`trio_encode.options`), so the commands only build their settings and run. Nothing heavy
+is imported at the top: the models' modules load when a command's options are first needed,
+and torch, the server and the tools when a command runs, so ``--help`` and ``--version``
+answer in a fraction of a second.
 """
 
 from __future__ import annotations
@@ -15,14 +19,11 @@ import sys
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
-import trio
 
 from trio_encode import __version__
-from trio_encode.engine import EngineError
-from trio_encode.logs import capture_native_stderr, setup_logging
 from trio_encode.options import (
     MODEL_GROUPS,
     SERVE_GROUPS,
@@ -33,13 +34,45 @@ from trio_encode.options import (
     model_options,
     server_options,
 )
-from trio_encode.settings import model_fields
 from trio_encode.testing.costs import MODELS
-from trio_encode.testing.faults import DrillSettings
-from trio_encode.tools.bench.settings import BenchConfig
-from trio_encode.tools.demo import DemoSettings
-from trio_encode.tools.fleet_demo import FleetDemoConfig
-from trio_encode.tools.soak.run import SoakConfig
+from trio_encode.testing.tiny_vlm import FAMILIES, family_named
+
+if TYPE_CHECKING:
+    from trio_encode.testing.faults import DrillSettings
+    from trio_encode.tools.bench.settings import BenchConfig
+    from trio_encode.tools.demo import DemoSettings
+    from trio_encode.tools.fleet_demo import FleetDemoConfig
+    from trio_encode.tools.soak.run import SoakConfig
+
+
+def _drill_settings() -> type[DrillSettings]:
+    from trio_encode.testing.faults import DrillSettings
+
+    return DrillSettings
+
+
+def _demo_settings() -> type[DemoSettings]:
+    from trio_encode.tools.demo import DemoSettings
+
+    return DemoSettings
+
+
+def _bench_config() -> type[BenchConfig]:
+    from trio_encode.tools.bench.settings import BenchConfig
+
+    return BenchConfig
+
+
+def _fleet_config() -> type[FleetDemoConfig]:
+    from trio_encode.tools.fleet_demo import FleetDemoConfig
+
+    return FleetDemoConfig
+
+
+def _soak_config() -> type[SoakConfig]:
+    from trio_encode.tools.soak.run import SoakConfig
+
+    return SoakConfig
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -50,11 +83,15 @@ def cli() -> None:
 
 @cli.command(cls=GroupedCommand)
 @server_options(*SERVE_GROUPS)
-@model_options(DrillSettings)
+@model_options(_drill_settings)
 def serve(**options: Any) -> None:
     """Serve POST /encode, POST /send, GET /health and GET /metrics until SIGINT/SIGTERM."""
-    own = given(options, model_fields(DrillSettings))
-    drill: DrillSettings = build(DrillSettings, own)
+    from trio_encode.logs import capture_native_stderr, setup_logging
+    from trio_encode.settings import model_fields
+
+    model = _drill_settings()
+    own = given(options, model_fields(model))
+    drill: DrillSettings = build(model, own)
     settings = load_settings(given(options, set(options) - set(own)))
     setup_logging(settings.log_level, settings.log_format)
     if settings.log_format == "json":
@@ -74,7 +111,7 @@ def serve(**options: Any) -> None:
 
 
 @cli.command(cls=GroupedCommand)
-@model_options(DemoSettings)
+@model_options(_demo_settings)
 @server_options(*MODEL_GROUPS)
 def demo(**options: Any) -> None:
     """Start a server on a free port and TP receivers, run requests, check every byte.
@@ -83,8 +120,12 @@ def demo(**options: Any) -> None:
     calls /encode and /send for every request concurrently. Shows progress while it runs and
     a table at the end (on stdout); exits non-zero if any check fails.
     """
-    own = given(options, model_fields(DemoSettings))
-    config: DemoSettings = build(DemoSettings, own)
+    from trio_encode.logs import setup_logging
+    from trio_encode.settings import model_fields
+
+    model = _demo_settings()
+    own = given(options, model_fields(model))
+    config: DemoSettings = build(model, own)
     setup_logging(config.log_level)
     settings = load_settings(given(options, set(options) - set(own)), port=0)
     from trio_encode.tools.demo import run_demo
@@ -100,7 +141,7 @@ def demo(**options: Any) -> None:
 
 
 @cli.command(cls=GroupedCommand)
-@model_options(BenchConfig)
+@model_options(_bench_config)
 @click.option(
     "--cost-model",
     "cost_model",
@@ -122,10 +163,14 @@ def bench(cost_model: str | None, as_json: bool, **options: Any) -> None:
     /health meanwhile. The defaults take several minutes on 2 cores; run it on an idle machine.
     With --cost-model, nothing is measured: a cost model runs in virtual time instead.
     """
+    from trio_encode.logs import setup_logging
+    from trio_encode.settings import model_fields
+
     setup_logging("WARNING")
-    own = given(options, model_fields(BenchConfig))
+    model = _bench_config()
+    own = given(options, model_fields(model))
     settings = load_settings(given(options, set(options) - set(own)))
-    config: BenchConfig = build(BenchConfig, own, encoder=settings.encoder, engine=settings.engine)
+    config: BenchConfig = build(model, own, encoder=settings.encoder, engine=settings.engine)
     if cost_model is not None:
         from trio_encode.tools.bench.rdma_model import run_model
 
@@ -145,7 +190,7 @@ def bench(cost_model: str | None, as_json: bool, **options: Any) -> None:
 
 
 @cli.command(cls=GroupedCommand)
-@model_options(FleetDemoConfig)
+@model_options(_fleet_config)
 def fleet(**options: Any) -> None:
     """Start a Mooncake master, ENCODERS encode servers and RANKS prefill ranks on loopback;
     run requests with repeated images, kill one encoder half-way, print what happened.
@@ -153,8 +198,10 @@ def fleet(**options: Any) -> None:
     Every rank must be served (failing over) and every copy of an image must be the same
     bytes; exits non-zero otherwise. Servers' logs go to a temporary directory.
     """
+    from trio_encode.logs import setup_logging
+
     setup_logging("ERROR")
-    config: FleetDemoConfig = build(FleetDemoConfig, given(options))
+    config: FleetDemoConfig = build(_fleet_config(), given(options))
     from trio_encode.tools.fleet_demo import run_fleet_demo
 
     outcome = _run(run_fleet_demo, config)
@@ -164,7 +211,7 @@ def fleet(**options: Any) -> None:
 
 
 @cli.command(cls=GroupedCommand)
-@model_options(SoakConfig)
+@model_options(_soak_config)
 @click.option(
     "--json",
     "json_path",
@@ -180,10 +227,14 @@ def soak(json_path: Path | None, **options: Any) -> None:
     The server (``trio-encode serve``) and every receiver run in processes of their own. Prints
     a table; exits non-zero if any check failed. Several minutes with the defaults.
     """
+    from trio_encode.logs import setup_logging
+    from trio_encode.settings import model_fields
+
     setup_logging("WARNING")
-    own = given(options, model_fields(SoakConfig))
+    model = _soak_config()
+    own = given(options, model_fields(model))
     settings = load_settings(given(options, set(options) - set(own)))
-    config: SoakConfig = build(SoakConfig, own, encoder=settings.encoder)
+    config: SoakConfig = build(model, own, encoder=settings.encoder)
     from trio_encode.tools.soak.run import run_soak
 
     result = _run(run_soak, config)
@@ -194,10 +245,57 @@ def soak(json_path: Path | None, **options: Any) -> None:
         raise SystemExit(1)
 
 
+@cli.command(
+    "make-tiny-model",
+    epilog="FAMILY is a model_type or a family's name: "
+    + ", ".join(f"{model_type} ({title})" for model_type, title in FAMILIES.items())
+    + ".",
+)
+@click.argument("family")
+@click.argument("directory", metavar="DIR", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the weights.")
+def make_tiny_model(family: str, directory: Path, seed: int) -> None:
+    """Save a small model of FAMILY with random weights, and its image processor, into DIR, to
+    try `serve --model DIR` (and the bench, the GPU path...) without downloading weights.
+
+    Its embeddings mean nothing; its shapes, token counts, resolution handling and tiling are
+    the family's own (transformers' classes, built from a config). DIR is created; one that
+    holds anything is refused. Needs the hf extra.
+    """
+    model_type = family_named(family)
+    if model_type is None:
+        raise click.BadParameter(
+            f"{family!r} is no family; choose from: {', '.join(FAMILIES)}", param_hint="FAMILY"
+        )
+    if directory.exists() and any(directory.iterdir()):
+        raise click.BadParameter(f"{directory} is not empty", param_hint="DIR")
+    try:
+        import transformers
+    except ImportError:
+        raise click.ClickException(
+            "make-tiny-model needs transformers: pip install 'trio-encode[hf]'"
+        ) from None
+    from trio_encode.testing.tiny_vlm import save_tiny_model
+
+    quiet: Any = transformers.logging  # its progress bars and notes are not this command's
+    quiet.set_verbosity_error()
+    quiet.disable_progress_bar()
+    directory.mkdir(parents=True, exist_ok=True)
+    save_tiny_model(model_type, directory, seed=seed)
+    click.echo(
+        f"saved a tiny {FAMILIES[model_type]} ({model_type}, random weights: its embeddings "
+        f"mean nothing) into {directory}\nserve it: trio-encode serve --model {directory}"
+    )
+
+
 def _run(fn: Callable[..., Any], *args: Any) -> Any:
     """``trio.run`` with start-up failures (a missing extra, a port in use, an engine that
     will not start) reported as one line, not a traceback, and an interrupt (Ctrl-C, also one
     that arrives wrapped in an exception group) as click's "Aborted!"."""
+    import trio
+
+    from trio_encode.engine import EngineError
+
     expected = (EngineError, RuntimeError, ValueError, OSError, ImportError)
     try:
         return trio.run(fn, *args)

@@ -14,17 +14,17 @@ from __future__ import annotations
 import typing
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 from click.core import ParameterSource
-from pydantic import ValidationError
-from pydantic.fields import FieldInfo
-from pydantic_settings import SettingsError
 
-from trio_encode.declare import GROUPS, Group
-from trio_encode.settings import ServerSettings, Setting, catalog, describe_error, model_fields
-from trio_encode.sizes import format_size, parse_size
+if TYPE_CHECKING:
+    from pydantic import ValidationError
+    from pydantic.fields import FieldInfo
+
+    from trio_encode.declare import Group
+    from trio_encode.settings import ServerSettings, Setting
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -59,10 +59,38 @@ class SettingOption(click.Option):
         self.group: Group = entry.group
 
 
+class Later:
+    """A command's setting options, made when the command's parameters are first needed: the
+    settings models import pydantic and their layers, which ``trio-encode --help``, ``--version``
+    and every other command do not need."""
+
+    def __init__(self, make: Callable[[], list[click.Parameter]]) -> None:
+        self.make = make
+
+
 class GroupedCommand(click.Command):
-    """A command whose ``--help`` lists its setting options under their groups."""
+    """A command whose setting options are made on first use (:class:`Later`) and whose
+    ``--help`` lists them under their groups."""
+
+    _params: list[click.Parameter | Later]
+
+    @property
+    def params(self) -> list[click.Parameter]:
+        if any(isinstance(param, Later) for param in self._params):
+            self._params = [
+                made
+                for param in self._params
+                for made in (param.make() if isinstance(param, Later) else [param])
+            ]
+        return typing.cast("list[click.Parameter]", self._params)
+
+    @params.setter
+    def params(self, params: list[click.Parameter]) -> None:
+        self._params = [*params]  # with the Later entries the option decorators put in it
 
     def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        from trio_encode.declare import GROUPS
+
         sections: dict[str, list[tuple[str, str]]] = {}
         for param in self.get_params(ctx):
             record = param.get_help_record(ctx)
@@ -83,6 +111,8 @@ def is_bool(info: FieldInfo) -> bool:
 
 def metavar(info: FieldInfo) -> str:
     """What ``--help`` shows a setting's value as: its choices, SIZE, INTEGER..."""
+    from trio_encode.sizes import parse_size
+
     annotation = info.annotation
     choices = typing.get_args(annotation) if typing.get_origin(annotation) is typing.Literal else ()
     if choices:
@@ -107,6 +137,8 @@ def _bare(annotation: Any) -> Any:
 
 def shown_default(info: FieldInfo) -> str | None:
     """A setting's default as ``--help`` shows it (None: not shown)."""
+    from trio_encode.sizes import format_size, parse_size
+
     value = info.get_default(call_default_factory=True)
     if value is None or value == "":
         return None
@@ -119,12 +151,13 @@ def shown_default(info: FieldInfo) -> str | None:
     return str(value)
 
 
-def setting_options(entries: Iterable[Setting]) -> Callable[[F], F]:
-    """Add an option for each setting to a command (in order, in their groups)."""
+def setting_options(entries: Callable[[], Iterable[Setting]]) -> Callable[[F], F]:
+    """Add an option for each setting ``entries()`` returns to a :class:`GroupedCommand` (in
+    order, in their groups), made when the command's parameters are first needed."""
 
     def apply(command: F) -> F:
         params = getattr(command, "__click_params__", [])
-        params.extend(reversed([SettingOption(entry) for entry in entries]))
+        params.append(Later(lambda: [SettingOption(entry) for entry in entries()]))
         command.__click_params__ = params  # type: ignore[attr-defined]
         return command
 
@@ -133,20 +166,27 @@ def setting_options(entries: Iterable[Setting]) -> Callable[[F], F]:
 
 def server_options(*groups: Group) -> Callable[[F], F]:
     """The options of the server settings in ``groups``, plus ``--config``."""
-    return setting_options(
-        entry for entry in catalog() if entry.group in groups or entry.name == "config"
-    )
+
+    def entries() -> list[Setting]:
+        from trio_encode.settings import catalog
+
+        return [entry for entry in catalog() if entry.group in groups or entry.name == "config"]
+
+    return setting_options(entries)
 
 
-def model_options(model: type[Any]) -> Callable[[F], F]:
+def model_options(model: Callable[[], type[Any]]) -> Callable[[F], F]:
     """Flags (no variables) for the declared settings of a command's own model (the demo's,
-    the bench's); its fields without a group (nested settings) are not options."""
-    return setting_options(command_settings(model))
+    the bench's); its fields without a group (nested settings) are not options. ``model``
+    returns the class, so that its module is imported only when the options are needed."""
+    return setting_options(lambda: command_settings(model()))
 
 
 def command_settings(model: type[Any]) -> list[Setting]:
     """A command's own settings (the demo's, the bench's...): flags, no variable, no config
     key; fields without a group (nested settings, fixed values) are not among them."""
+    from trio_encode.settings import Setting, model_fields
+
     return [
         Setting(name, None, name, info, env=None)
         for name, info in model_fields(model).items()
@@ -170,6 +210,11 @@ def load_settings(flags: dict[str, Any], **overrides: Any) -> ServerSettings:
     """The server settings (flags over variables over the config file over defaults), with
     ``overrides`` on top; a value any of them got wrong is a usage error naming where it is
     set."""
+    from pydantic import ValidationError
+    from pydantic_settings import SettingsError
+
+    from trio_encode.settings import ServerSettings, describe_error
+
     try:
         return ServerSettings(**{**flags, **overrides})
     except ValidationError as error:
@@ -180,6 +225,8 @@ def load_settings(flags: dict[str, Any], **overrides: Any) -> ServerSettings:
 
 def build(model: Callable[..., Any], flags: dict[str, Any], **values: Any) -> Any:
     """A command's own model from its flags; a refused value is a usage error."""
+    from pydantic import ValidationError
+
     try:
         return model(**values, **flags)
     except ValidationError as error:

@@ -1,6 +1,7 @@
-"""GPU checks (``nox -s gpu``, on ``cuda:0``; never part of the default run): a tiny
-Qwen2.5-VL served on the GPU gives exactly transformers' own ``get_image_features`` on the same
-device, and its rows reach host memory through the pinned arena."""
+"""GPU checks (``nox -s gpu``, on ``cuda:0`` or the ``--gpu-device`` given): a tiny Qwen2.5-VL
+served on the device gives exactly transformers' own ``get_image_features`` on the same device,
+and its rows reach host memory through the (on a GPU, pinned) arena. The normal suite runs them
+on the cpu (``tests/test_gpu_steps.py``), so a lent GPU changes only the device."""
 
 from __future__ import annotations
 
@@ -18,15 +19,22 @@ from trio_encode.embedding import ArenaEmbedding
 from trio_encode.encoder import EncoderSettings, ImageEncoder
 
 
-def test_cuda_is_there() -> None:
-    assert torch.cuda.is_available(), "nox -s gpu needs a CUDA device (cuda:0)"
+def test_the_device_is_there(device: str) -> None:
+    where = torch.device(device)
+    if where.type == "cuda":
+        assert torch.cuda.is_available(), f"nox -s gpu needs a CUDA device ({device})"
+        assert (where.index or 0) < torch.cuda.device_count(), f"no {device} here"
+    else:
+        assert where.type == "cpu", f"{device}: the GPU checks run on cuda:N or (rehearsed) cpu"
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-async def test_served_on_cuda_equals_transformers_on_cuda(tmp_path: Path, dtype: str) -> None:
+async def test_served_on_the_device_equals_transformers_on_it(
+    tmp_path: Path, dtype: str, device: str
+) -> None:
     tiny = build("qwen2_5_vl", tmp_path)
     settings = EncoderSettings(
-        model=tmp_path, dtype=dtype, device="cuda:0", arena_bytes=8 << 20, max_batch_wait=0.05
+        model=tmp_path, dtype=dtype, device=device, arena_bytes=8 << 20, max_batch_wait=0.05
     )
     encoder = ImageEncoder.from_settings(settings)
     async with trio.open_nursery() as nursery:
@@ -36,10 +44,10 @@ async def test_served_on_cuda_equals_transformers_on_cuda(tmp_path: Path, dtype:
     assert isinstance(embedding, ArenaEmbedding)
     images = [Image.open(io.BytesIO(data)).convert("RGB") for data in PHOTOS]
     model = tiny.model_class.from_pretrained(str(tmp_path), dtype=getattr(torch, dtype))
-    model = model.to("cuda:0").eval()
+    model = model.to(device).eval()
     inputs = T.Qwen2VLImageProcessor.from_pretrained(str(tmp_path))(
         images=images, return_tensors="pt"
-    ).to("cuda:0")
+    ).to(device)
     with torch.inference_mode():
         features = model.get_image_features(
             pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"]

@@ -24,7 +24,6 @@ goes during the run skews every side alike.
 from __future__ import annotations
 
 import resource
-import shutil
 import tempfile
 import time
 from collections.abc import AsyncIterator
@@ -274,28 +273,37 @@ async def _encoder_rows(
 ) -> tuple[str, EncoderRow, ProbeRow, tuple[int, int]]:
     """The model's forward against /encode; the encoder rows' server has the cache off. With
     ``config.vlm`` the model is a small Qwen2.5-VL-shaped one, saved into a temporary
-    directory, and the images a mix of sizes."""
+    directory, and the images a mix of sizes. The directory lives until the rows end: the
+    server's settings name it, and settings check that their model directory exists."""
     settings = replace(
         config.encoder,
         cache_bytes=0,
         queue_size=max(config.encoder.queue_size, config.concurrency),
         warmup=True,
     )
-    sizes: tuple[tuple[int, int], ...] = ()
-    if config.vlm:
-        from trio_encode.testing.tiny_vlm import VLM_IMAGE_SIZES, save_tiny_qwen2_5_vl
+    if not config.vlm:
+        backend = await trio.to_thread.run_sync(load_backend, settings)
+        return await _measure_encoder(config, progress, settings, backend, ())
+    from trio_encode.testing.tiny_vlm import VLM_IMAGE_SIZES, save_tiny_qwen2_5_vl
 
-        directory = Path(tempfile.mkdtemp(prefix="trio-encode-bench-vlm-"))
+    with tempfile.TemporaryDirectory(prefix="trio-encode-bench-vlm-") as name:
+        directory = Path(name)
         progress.say(f"encoder: saving a small Qwen2.5-VL-shaped model into {directory}")
         await trio.to_thread.run_sync(save_tiny_qwen2_5_vl, directory)
         settings = replace(settings, model=directory)
-        sizes = VLM_IMAGE_SIZES
-        try:
-            backend = await trio.to_thread.run_sync(load_backend, settings)
-        finally:  # everything the server needs is in memory once loaded
-            shutil.rmtree(directory, ignore_errors=True)
-    else:
         backend = await trio.to_thread.run_sync(load_backend, settings)
+        return await _measure_encoder(config, progress, settings, backend, VLM_IMAGE_SIZES)
+
+
+async def _measure_encoder(
+    config: BenchConfig,
+    progress: Progress,
+    settings: EncoderSettings,
+    backend: VisionModel,
+    sizes: tuple[tuple[int, int], ...],
+) -> tuple[str, EncoderRow, ProbeRow, tuple[int, int]]:
+    """The encoder rows of ``backend``, loaded from ``settings``; ``sizes``: the clients' mix of
+    image sizes (empty: square images of the model's size)."""
     metrics = BatchRecorder()
     arena = Arena(settings.arena_bytes, cache_bytes=0) if settings.arena_bytes else None
     encoder = ImageEncoder(backend, settings, observer=metrics, arena=arena)
@@ -306,7 +314,14 @@ async def _encoder_rows(
     batch = await trio.to_thread.run_sync(
         partial(_prepared, backend, jpegs, settings.max_image_pixels)
     )
-    bytes_per_image = max(encoder.batcher.row_bytes(image.tokens) for image in batch)
+    # The clients send every size of the mix, whatever B: their landing slots must take the
+    # largest image, which a batch smaller than the mix leaves out.
+    every_size = batch
+    if len(sizes) > batch_size:
+        every_size = await trio.to_thread.run_sync(
+            partial(_prepared, backend, mixed_jpegs(len(sizes), sizes), settings.max_image_pixels)
+        )
+    bytes_per_image = max(encoder.batcher.row_bytes(image.tokens) for image in every_size)
     raw_images, raw_seconds, raw_rates = 0, 0.0, []
     rounds: list[ServedRound] = []
     latencies: list[float] = []
