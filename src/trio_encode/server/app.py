@@ -126,11 +126,16 @@ class _BodyLimits:
         def refused() -> bool:
             return bool(scope.get(_CUT) or scope.get(_OVER_BUDGET))
 
+        told_end = False
+
         async def counted() -> dict[str, Any]:
-            nonlocal received, reserved
-            if refused():  # the app sees the body end; the client's rest is never read
+            nonlocal received, reserved, told_end
+            if refused() and not told_end:  # refused before a byte was read
+                told_end = True
                 return _BODY_END
             message: dict[str, Any] = await receive()
+            while refused() and message["type"] == "http.request":
+                message = await receive()  # the rest of a refused body: read and dropped
             if message["type"] != "http.request":
                 return message
             received += len(message.get("body", b""))
@@ -141,7 +146,10 @@ class _BodyLimits:
                     reserved = received
                 else:
                     scope[_OVER_BUDGET] = True
-            return _BODY_END if refused() else message
+            if refused():
+                told_end = True
+                return _BODY_END
+            return message
 
         try:
             await self.app(scope, counted, send)
