@@ -21,10 +21,12 @@ from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
+from prometheus_client import generate_latest
 
 from support.cli_process import read_until_serving, serving
 from trio_encode import logs
 from trio_encode.logs import SinkHandler, setup_logging
+from trio_encode.server.metrics import Metrics
 from trio_encode.settings import LogFormat
 from trio_encode.testing.images import noise_uri
 
@@ -120,6 +122,9 @@ def test_a_stream_whose_write_raises_broken_pipe_is_counted_and_never_written_ag
     assert logs.dropped_log_lines() == 3
     assert stream.attempts == 1  # a broken pipe does not come back: no write after the first
     assert stderr_text.getvalue() == ""
+    # and the operator sees them on /metrics
+    exposition = generate_latest(Metrics().registry).decode()
+    assert "trio_encode_log_lines_dropped 3.0" in exposition
 
 
 @pytest.mark.usefixtures("root_logger")

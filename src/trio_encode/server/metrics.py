@@ -35,6 +35,7 @@ from prometheus_client import (
     generate_latest,
 )
 
+from trio_encode.logs import dropped_log_lines
 from trio_encode.observer import METRIC_PREFIX, RegistrationCall
 from trio_encode.service import PassThroughEncoder
 
@@ -152,6 +153,9 @@ class Exposed:
     """Answered HTTP requests."""
     request_seconds = _Metric(Histogram, ("route",), buckets=_REQUEST_BUCKETS)
     """Time from a request's arrival to its answer, by route."""
+    log_lines_dropped = _Metric(Gauge)
+    """Log lines dropped since start because the log's reader was too slow or gone (read at
+    scrape time; it only grows)."""
     connection_failures = _Metric(Counter, ("kind",))
     """Connections closed because their server task raised (contained: the process and the
     other connections go on), by the exceptions' class names."""
@@ -290,6 +294,7 @@ class Metrics:
         self.exposed = Exposed(r)
         self._queue_depth: QueueDepth | None = None
         self._connection_failures: dict[str, int] = {}
+        self.exposed.log_lines_dropped.set_function(dropped_log_lines)
         self.exposed.encoder_queue_images.set_function(
             lambda: self._queue_depth.queued_images if self._queue_depth is not None else 0
         )
