@@ -100,13 +100,12 @@ def serve(**options: Any) -> None:
 
     serving = partial(run_server, wrap_engine=drill.wrap, wrap_model=drill.wrap_model)
     report = _run(serving, settings)
-    click.echo(
-        f"stopped: {report.finished} requests finished during shutdown, "
-        f"{report.cut_short} cut short"
-        + (
-            f", {report.held_bytes} bytes held for Mooncake until exit" if report.held_bytes else ""
-        ),
-        err=True,
+    # A log line, not an echo: the log's sink never blocks the exit on a reader gone or stuck.
+    logging.getLogger("trio_encode.cli").info(
+        "stopped: %d requests finished during shutdown, %d cut short%s",
+        report.finished,
+        report.cut_short,
+        f", {report.held_bytes} bytes held for Mooncake until exit" if report.held_bytes else "",
     )
 
 
