@@ -100,8 +100,9 @@ async def _serve_one(
     *,
     connection_failed: ConnectionFailed,
 ) -> None:
+    guarded = _GuardedStream(stream)
     try:
-        await TCPServer(app, config, context, ConnectionState(lifespan_state.copy()), stream)  # type: ignore[arg-type]
+        await TCPServer(app, config, context, ConnectionState(lifespan_state.copy()), guarded)  # type: ignore[arg-type]
     except* Exception as group:
         # One connection's failure: whatever hypercorn (or h11, or the socket) raised in its
         # tasks. Cancellation (shutdown) is not caught and propagates as it should.
@@ -111,6 +112,53 @@ async def _serve_one(
         else:
             log.debug("closed a connection whose server task failed: %s", kind)
         await trio.aclose_forcefully(stream)
+
+
+class _GuardedStream(trio.abc.HalfCloseableStream):
+    """A connection's socket as hypercorn's per-connection server uses it, with its send side
+    made safe for the two ways hypercorn misuses it.
+
+    Hypercorn half-closes (``send_eof``) from whichever task notices the end, while another
+    task may be sending an answer: trio refuses the second sender (``BusyResourceError``).
+    Here an EOF while a send runs is skipped (the close follows), and a send after the EOF
+    is refused as a closed stream, which hypercorn expects. And the task that closes is often
+    the app's own, which quart-trio cancels as soon as hypercorn tells it the client is gone:
+    the close would stop at its first checkpoint and leave the socket open for as long as the
+    client keeps it (answered connections were never closed). The half-close and the close
+    are shielded: neither waits on the network."""
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self._stream = stream
+        self.socket = stream.socket
+        """What hypercorn reads the peer's and its own address from."""
+        self._sending = False
+        self._eof_sent = False
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        if self._eof_sent:
+            raise trio.ClosedResourceError("this connection's send side is closed")
+        self._sending = True
+        try:
+            await self._stream.send_all(data)
+        finally:
+            self._sending = False
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self._stream.wait_send_all_might_not_block()
+
+    async def send_eof(self) -> None:
+        if self._sending or self._eof_sent:
+            return
+        self._eof_sent = True
+        with trio.CancelScope(shield=True):
+            await self._stream.send_eof()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
+        return await self._stream.receive_some(max_bytes)
+
+    async def aclose(self) -> None:
+        with trio.CancelScope(shield=True):
+            await self._stream.aclose()
 
 
 def _leaves(group: BaseExceptionGroup[Any]) -> list[BaseException]:
