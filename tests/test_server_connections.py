@@ -22,11 +22,11 @@ from trio_encode.server import connections
 from trio_encode.testing.images import image_uri
 from trio_encode.testing.stand_in_encoder import StandInEncoder
 
-_HYPERCORN_SERVER = connections.TCPServer
+_HYPERCORN_SERVER = connections._Connection
 
 
 class _FailsWhenArmed:
-    """Hypercorn's per-connection server, except that the next connection's raises once
+    """The per-connection server, except that the next connection's raises once
     ``armed`` is set."""
 
     armed = False
@@ -57,7 +57,7 @@ def _exchange(port: int, request: bytes) -> bytes:
 async def test_a_connection_whose_server_task_raises_ends_alone(
     rank_engines: RankEngines, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(connections, "TCPServer", _FailsWhenArmed)
+    monkeypatch.setattr(connections, "_Connection", _FailsWhenArmed)
     async with http_server(rank_engines.server) as harness:
         port = int(harness.running.url.rsplit(":", 1)[1])
         probe = b"GET /livez HTTP/1.1\r\nHost: x\r\n\r\n"

@@ -8,7 +8,10 @@ short and then half-closed makes hypercorn send on one stream from two tasks
 layer does the same. This module owns the accept loop instead, and runs hypercorn's
 :class:`~hypercorn.trio.tcp_server.TCPServer` for each connection inside a handler that catches
 whatever that one connection raises: the connection is closed, the failure logged once with
-its kind and counted, and every other connection and request goes on.
+its kind and counted, and every other connection and request goes on. Two causes are also
+removed at their root (:class:`_GuardedStream`, :class:`_Connection`): the racing half-close,
+and the closes and keep-alive timers that quart-trio's cancellation cut short, which left
+answered connections open for as long as their clients liked.
 
 Everything else is hypercorn's own: the ASGI lifespan, the protocol, timeouts, keep-alive, and
 the graceful close (idle connections close at once, busy ones get ``graceful_timeout``).
@@ -23,6 +26,7 @@ from typing import Any
 
 import trio
 from hypercorn.config import Config, Sockets
+from hypercorn.events import Event, Updated
 from hypercorn.trio.lifespan import Lifespan
 from hypercorn.trio.statsd import StatsdLogger
 from hypercorn.trio.tcp_server import TCPServer
@@ -101,8 +105,9 @@ async def _serve_one(
     connection_failed: ConnectionFailed,
 ) -> None:
     guarded = _GuardedStream(stream)
+    state = ConnectionState(lifespan_state.copy())
     try:
-        await TCPServer(app, config, context, ConnectionState(lifespan_state.copy()), guarded)  # type: ignore[arg-type]
+        await _Connection(app, config, context, state, guarded)  # type: ignore[arg-type]
     except* Exception as group:
         # One connection's failure: whatever hypercorn (or h11, or the socket) raised in its
         # tasks. Cancellation (shutdown) is not caught and propagates as it should.
@@ -112,6 +117,24 @@ async def _serve_one(
         else:
             log.debug("closed a connection whose server task failed: %s", kind)
         await trio.aclose_forcefully(stream)
+
+
+class _Connection(TCPServer):
+    """Hypercorn's per-connection server, with its keep-alive timer started whatever task
+    asks for it.
+
+    Once an answer is written, hypercorn starts the connection's idle timer from the task
+    that wrote it, which is the app's own; quart-trio cancels that task as soon as the answer
+    is out, so the timer's start was cut short at its first checkpoint and an idle keep-alive
+    connection stayed open for as long as the client kept it. Starting the timer takes a lock
+    held only by other starts and stops, and starting a task: shielded, it always completes."""
+
+    async def protocol_send(self, event: Event) -> None:
+        if isinstance(event, Updated):
+            with trio.CancelScope(shield=True):
+                await super().protocol_send(event)
+        else:
+            await super().protocol_send(event)
 
 
 class _GuardedStream(trio.abc.HalfCloseableStream):
