@@ -15,6 +15,8 @@ import transformers as T
 from PIL import Image
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+from trio_encode.testing.tiny_vlm import TINY_TEXT, tiny_parts
+
 PHOTO_SIZES = [(90, 60), (40, 130), (200, 200), (57, 57)]
 """Landscape, tall portrait, large square, odd square: different token counts per image."""
 
@@ -30,17 +32,6 @@ def photo(seed: int, size: tuple[int, int]) -> bytes:
 
 PHOTOS = [photo(seed, size) for seed, size in enumerate(PHOTO_SIZES)]
 """One photo of each of :data:`PHOTO_SIZES`."""
-
-TEXT = {
-    "hidden_size": 64,
-    "intermediate_size": 96,
-    "num_hidden_layers": 1,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 300,
-    "head_dim": 16,
-}
-"""A one-layer language model: the part that is never loaded."""
 
 
 def tiny_tokenizer(specials: dict[str, str]) -> Any:
@@ -113,10 +104,6 @@ def _plain_gather(model: Any, inputs: Any) -> list[torch.Tensor]:
     return list(out)
 
 
-PINPOINTS = [[28, 28], [28, 56], [56, 28], [56, 56], [28, 84], [84, 28]]
-"""LLaVA-OneVision's anyres resolutions for a 28 px tile: up to 3 tiles beside the base one."""
-
-
 def _onevision_gather(model: Any, inputs: Any) -> list[torch.Tensor]:
     out = model.get_image_features(
         pixel_values=inputs["pixel_values"], image_sizes=inputs["image_sizes"]
@@ -124,151 +111,65 @@ def _onevision_gather(model: Any, inputs: Any) -> list[torch.Tensor]:
     return [out] if isinstance(out, torch.Tensor) else list(out)
 
 
-def _qwen_vision(**extra: Any) -> dict[str, Any]:
-    return {
-        "depth": 2,
-        "hidden_size": 32,
-        "embed_dim": 32,
-        "intermediate_size": 48,
-        "num_heads": 2,
-        "patch_size": 14,
-        "spatial_merge_size": 2,
-        "temporal_patch_size": 2,
-        **extra,
-    }
-
-
-def _tower(**extra: Any) -> dict[str, Any]:
-    """A two-layer, 32-wide CLIP, SigLIP or InternViT tower; ``extra`` names its kind, image
-    and patch sizes."""
-    return {
-        "hidden_size": 32,
-        "intermediate_size": 48,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 2,
-        **extra,
-    }
-
-
-QWEN_PIXELS = {"min_pixels": 56 * 56, "max_pixels": 28 * 28 * 48}
-"""Small images: 4 to 48 merged tokens each."""
 QWEN_TOKENS = {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"}
-QWEN_IDS = {"image_token_id": 9, "video_token_id": 10}
+_TESTS_PARTS: dict[str, Any] = {
+    "text": TINY_TEXT,  # no begin and end token ids: transformers' defaults
+    "max_image_tokens": 48,  # small images: 4 to 48 merged tokens each
+}
+"""How the tests' tiny models differ from ``trio-encode make-tiny-model``'s (and, for
+Qwen2.5-VL, from the bench's): made by :func:`tiny_parts` with these."""
+_TESTS_VISION: dict[str, dict[str, Any]] = {"qwen2_vl": {"intermediate_size": 48}}
+"""Keys in the tests' vision configs only (unused by the tower, kept so the models stay as
+they were)."""
+
+_GEMMA3_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>"}
+_INTERNVL_TOKENS = {"start_image_token": "<img>", "end_image_token": "</img>"}
+_TALK: dict[str, tuple[dict[str, str], Any, Callable[[Any, Any], list[torch.Tensor]], str]] = {
+    "qwen2_vl": (QWEN_TOKENS, T.Qwen2VLProcessor, _qwen_gather, "<|image_pad|>"),
+    "qwen2_5_vl": (QWEN_TOKENS, T.Qwen2_5_VLProcessor, _qwen_gather, "<|image_pad|>"),
+    "qwen3_vl": (QWEN_TOKENS, T.Qwen3VLProcessor, _qwen3_gather, "<|image_pad|>"),
+    "llava": ({"image_token": "<image>"}, T.LlavaProcessor, _plain_gather, "<image>"),
+    "llava_onevision": (
+        {"image_token": "<image>"},
+        T.LlavaOnevisionProcessor,
+        _onevision_gather,
+        "<image>",
+    ),
+    "gemma3": (
+        {**_GEMMA3_TOKENS, "image_token": "<image_soft_token>"},
+        T.Gemma3Processor,
+        _plain_gather,
+        "<start_of_image>",
+    ),
+    "internvl": (
+        {**_INTERNVL_TOKENS, "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"},
+        T.InternVLProcessor,
+        _plain_gather,
+        "<IMG_CONTEXT>",
+    ),
+}
+"""What only the tests need of each family: its tokenizer's image tokens, processor class,
+gather function and a prompt's image placeholder."""
 
 
 def build(family: str, path: Path, seed: int = 0) -> TinyVLM:
     """The tiny model of ``family``, saved in ``path`` with its image processor, the language
     model's weights in shards of their own (``max_shard_size``) as well as shared ones."""
-    torch.manual_seed(seed)
-    if family == "qwen2_vl":
-        config = T.Qwen2VLConfig(
-            text_config={**TEXT, "rope_parameters": _mrope()},
-            vision_config=_qwen_vision(embed_dim=32, mlp_ratio=2, hidden_size=64),
-            **QWEN_IDS,
-        )
-        image_processor = T.Qwen2VLImageProcessor(**QWEN_PIXELS)
-        tokens, model_class = QWEN_TOKENS, T.Qwen2VLForConditionalGeneration
-        processor_class, gather, text = T.Qwen2VLProcessor, _qwen_gather, "<|image_pad|>"
-    elif family == "qwen2_5_vl":
-        config = T.Qwen2_5_VLConfig(
-            text_config={**TEXT, "rope_parameters": _mrope()},
-            vision_config=_qwen_vision(
-                out_hidden_size=64, window_size=56, fullatt_block_indexes=[1]
-            ),
-            **QWEN_IDS,
-        )
-        image_processor = T.Qwen2VLImageProcessor(**QWEN_PIXELS)
-        tokens, model_class = QWEN_TOKENS, T.Qwen2_5_VLForConditionalGeneration
-        processor_class, gather, text = T.Qwen2_5_VLProcessor, _qwen_gather, "<|image_pad|>"
-    elif family == "qwen3_vl":
-        config = T.Qwen3VLConfig(
-            text_config={**TEXT, "rope_parameters": _mrope(interleaved=True)},
-            vision_config={
-                "depth": 2,
-                "hidden_size": 32,
-                "intermediate_size": 48,
-                "num_heads": 2,
-                "patch_size": 16,
-                "spatial_merge_size": 2,
-                "temporal_patch_size": 2,
-                "out_hidden_size": 64,
-                "num_position_embeddings": 64,
-                "deepstack_visual_indexes": [0, 1],
-            },
-            **QWEN_IDS,
-        )
-        image_processor = T.Qwen2VLImageProcessor(
-            patch_size=16, min_pixels=64 * 64, max_pixels=32 * 32 * 48
-        )
-        tokens, model_class = QWEN_TOKENS, T.Qwen3VLForConditionalGeneration
-        processor_class, gather, text = T.Qwen3VLProcessor, _qwen3_gather, "<|image_pad|>"
-    elif family == "llava":
-        config = T.LlavaConfig(
-            text_config={"model_type": "llama", **TEXT},
-            vision_config=_tower(
-                model_type="clip_vision_model", image_size=28, patch_size=7, projection_dim=32
-            ),
-            image_token_id=9,
-            vision_feature_layer=-2,
-            vision_feature_select_strategy="default",
-        )
-        image_processor = T.CLIPImageProcessor(
-            size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}
-        )
-        tokens, model_class = {"image_token": "<image>"}, T.LlavaForConditionalGeneration
-        processor_class, gather, text = T.LlavaProcessor, _plain_gather, "<image>"
-    elif family == "llava_onevision":
-        config = T.LlavaOnevisionConfig(
-            text_config={"model_type": "qwen2", **TEXT},
-            vision_config=_tower(
-                model_type="siglip_vision_model", image_size=28, patch_size=7, vision_use_head=False
-            ),
-            image_token_index=9,
-            image_grid_pinpoints=PINPOINTS,
-            vision_aspect_ratio="anyres_max_9",
-        )
-        image_processor = T.LlavaOnevisionImageProcessor(
-            size={"height": 28, "width": 28}, image_grid_pinpoints=PINPOINTS
-        )
-        tokens, model_class = {"image_token": "<image>"}, T.LlavaOnevisionForConditionalGeneration
-        processor_class, gather, text = T.LlavaOnevisionProcessor, _onevision_gather, "<image>"
-    elif family == "gemma3":
-        config = T.Gemma3Config(
-            text_config={"model_type": "gemma3_text", **TEXT, "sliding_window": 16},
-            vision_config=_tower(model_type="siglip_vision_model", image_size=32, patch_size=4),
-            mm_tokens_per_image=16,
-            image_token_id=11,
-            boi_token_id=9,
-            eoi_token_id=10,
-        )
-        image_processor = T.Gemma3ImageProcessor(size={"height": 32, "width": 32})
-        tokens = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>"}
-        tokens |= {"image_token": "<image_soft_token>"}
-        model_class = T.Gemma3ForConditionalGeneration
-        processor_class, gather, text = T.Gemma3Processor, _plain_gather, "<start_of_image>"
-    elif family == "internvl":
-        config = T.InternVLConfig(
-            text_config={"model_type": "qwen2", **TEXT},
-            vision_config=_tower(image_size=[32, 32], patch_size=[8, 8]),
-            image_token_id=11,
-            downsample_ratio=0.5,
-        )
-        image_processor = T.GotOcr2ImageProcessor(
-            size={"height": 32, "width": 32}, crop_to_patches=True, max_patches=4
-        )
-        tokens = {"start_image_token": "<img>", "end_image_token": "</img>"}
-        tokens |= {"context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"}
-        model_class = T.InternVLForConditionalGeneration
-        processor_class, gather, text = T.InternVLProcessor, _plain_gather, "<IMG_CONTEXT>"
-    else:
+    if family not in _TALK:
         raise ValueError(family)
-    model = model_class(config).eval()
+    torch.manual_seed(seed)
+    parts = tiny_parts(family, T, vision=_TESTS_VISION.get(family), **_TESTS_PARTS)
+    tokens, processor_class, gather, text = _TALK[family]
+    model = parts.model_class(parts.config).eval()
     model.save_pretrained(str(path), max_shard_size="40KB")
+    image_processor = parts.image_processor
     image_processor.save_pretrained(str(path))
     tokenizer = tiny_tokenizer(tokens)
     processor = _processor(processor_class, family, image_processor, tokenizer)
     token_id = int(tokenizer.convert_tokens_to_ids(_expanded_token(family, tokens)))
-    return TinyVLM(family, path, model_class, image_processor, processor, text, token_id, gather)
+    return TinyVLM(
+        family, path, parts.model_class, image_processor, processor, text, token_id, gather
+    )
 
 
 def _expanded_token(family: str, tokens: dict[str, str]) -> str:
@@ -315,14 +216,6 @@ def _processor(processor_class: Any, family: str, image_processor: Any, tokenize
     if family == "internvl":
         return _without_video(processor_class)(image_processor, tokenizer, None, image_seq_length=4)
     raise ValueError(family)
-
-
-def _mrope(*, interleaved: bool = False) -> dict[str, Any]:
-    rope: dict[str, Any] = {"rope_type": "default", "mrope_section": [2, 2, 4]}
-    rope["rope_theta"] = 10000.0
-    if interleaved:
-        rope["mrope_interleaved"] = True
-    return rope
 
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "llava_onevision", "gemma3", "internvl")

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -59,9 +61,9 @@ def save_tiny_model(family: str, path: Path, *, seed: int = 0) -> Path:
     import transformers
 
     torch.manual_seed(seed)
-    model, processor = _BUILDERS[family](transformers)
-    model.save_pretrained(str(path))
-    processor.save_pretrained(str(path))
+    parts = tiny_parts(family, transformers)
+    parts.model_class(parts.config).save_pretrained(str(path))
+    parts.image_processor.save_pretrained(str(path))
     return path
 
 
@@ -105,7 +107,7 @@ def save_tiny_qwen2_5_vl(path: Path, *, seed: int = 0) -> Path:
     return path
 
 
-_TEXT: dict[str, Any] = {
+TINY_TEXT: dict[str, Any] = {
     "hidden_size": 64,
     "intermediate_size": 96,
     "num_hidden_layers": 1,
@@ -113,17 +115,48 @@ _TEXT: dict[str, Any] = {
     "num_key_value_heads": 2,
     "vocab_size": 300,
     "head_dim": 16,
-    "bos_token_id": 2,  # within the vocabulary: transformers warns of one outside it
-    "eos_token_id": 3,
 }
 """A one-layer language model of hidden size 64: the embeddings' width, never loaded."""
-_QWEN_IDS = {"image_token_id": 9, "video_token_id": 10}
-_QWEN_PIXELS = {"min_pixels": 56 * 56, "max_pixels": 28 * 28 * 256}
-_PINPOINTS = [[28, 28], [28, 56], [56, 28], [56, 56], [28, 84], [84, 28]]
+TEXT_TOKEN_IDS: dict[str, Any] = {"bos_token_id": 2, "eos_token_id": 3}
+"""Begin and end tokens within the vocabulary (transformers warns of ones outside it): part of
+:func:`tiny_parts`' language model unless ``text`` says otherwise."""
+QWEN_IDS: dict[str, Any] = {"image_token_id": 9, "video_token_id": 10}
+PINPOINTS = [[28, 28], [28, 56], [56, 28], [56, 56], [28, 84], [84, 28]]
 """LLaVA-OneVision's anyres resolutions for a 28 px tile: up to 3 tiles beside the base one."""
 
 
-def _mrope(*, interleaved: bool = False) -> dict[str, Any]:
+@dataclass(frozen=True)
+class TinyParts:
+    """A tiny model of one family before it exists: its class, its config (random weights come
+    from ``model_class(config)``) and its image processor."""
+
+    model_class: Any
+    config: Any
+    image_processor: Any
+
+
+def tiny_parts(
+    family: str,
+    t: Any,
+    *,
+    text: dict[str, Any] | None = None,
+    max_image_tokens: int = 256,
+    vision: dict[str, Any] | None = None,
+) -> TinyParts:
+    """The tiny model of ``family`` (a ``model_type`` of :data:`FAMILIES`; ``qwen2_5_vl`` is a
+    two-layer one, not the bench's :func:`save_tiny_qwen2_5_vl`), given the ``transformers``
+    module. ``text`` is its language model's config (:data:`TINY_TEXT` with
+    :data:`TEXT_TOKEN_IDS` by default); ``max_image_tokens`` and ``vision`` are for the Qwen
+    families only: the most merged tokens their processor gives one image, and keys added to
+    their vision config."""
+    if family not in _PARTS:
+        raise ValueError(f"no tiny model of {family!r}; families: {', '.join(_PARTS)}")
+    text = {**TINY_TEXT, **TEXT_TOKEN_IDS} if text is None else text
+    return _PARTS[family](t, text, max_image_tokens, vision or {})
+
+
+def mrope(*, interleaved: bool = False) -> dict[str, Any]:
+    """The rope parameters of a tiny Qwen language model (sections of its head of 16)."""
     rope: dict[str, Any] = {"rope_type": "default", "mrope_section": [2, 2, 4]}
     rope["rope_theta"] = 10000.0
     if interleaved:
@@ -131,7 +164,7 @@ def _mrope(*, interleaved: bool = False) -> dict[str, Any]:
     return rope
 
 
-def _tower(**extra: Any) -> dict[str, Any]:
+def tower(**extra: Any) -> dict[str, Any]:
     """A two-layer, 32-wide CLIP, SigLIP or InternViT tower; ``extra`` names its kind, image
     and patch sizes."""
     return {
@@ -143,49 +176,66 @@ def _tower(**extra: Any) -> dict[str, Any]:
     }
 
 
-def _qwen2_vl(t: Any) -> tuple[Any, Any]:
-    vision = {
-        "depth": 2,
-        "embed_dim": 32,
-        "hidden_size": 64,
-        "mlp_ratio": 2,
-        "num_heads": 2,
-        "patch_size": 14,
-        "spatial_merge_size": 2,
-        "temporal_patch_size": 2,
-    }
-    config = t.Qwen2VLConfig(
-        text_config={**_TEXT, "rope_parameters": _mrope()}, vision_config=vision, **_QWEN_IDS
+_QWEN_VISION: dict[str, Any] = {
+    "depth": 2,
+    "num_heads": 2,
+    "patch_size": 14,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+}
+"""What every tiny Qwen vision tower shares: two layers of two heads, 14 px patches (16 for
+Qwen3-VL), merged 2x2."""
+_QWEN_TOWERS: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen2_vl": ("Qwen2VL", {"embed_dim": 32, "hidden_size": 64, "mlp_ratio": 2}),
+    "qwen2_5_vl": (
+        "Qwen2_5_VL",
+        {
+            "hidden_size": 32,
+            "embed_dim": 32,
+            "intermediate_size": 48,
+            "out_hidden_size": 64,
+            "window_size": 56,
+            "fullatt_block_indexes": [1],
+        },
+    ),
+    "qwen3_vl": (
+        "Qwen3VL",
+        {
+            "hidden_size": 32,
+            "intermediate_size": 48,
+            "patch_size": 16,
+            "out_hidden_size": 64,
+            "num_position_embeddings": 64,
+            "deepstack_visual_indexes": [0, 1],
+        },
+    ),
+}
+"""Each Qwen family's transformers class prefix and its vision tower beyond :data:`_QWEN_VISION`
+(Qwen3-VL's rope is interleaved)."""
+
+
+def _qwen(
+    family: str, t: Any, text: dict[str, Any], tokens: int, vision: dict[str, Any]
+) -> TinyParts:
+    prefix, tower_config = _QWEN_TOWERS[family]
+    tower_config = {**_QWEN_VISION, **tower_config}
+    config = getattr(t, f"{prefix}Config")(
+        text_config={**text, "rope_parameters": mrope(interleaved=family == "qwen3_vl")},
+        vision_config={**tower_config, **vision},
+        **QWEN_IDS,
     )
-    return t.Qwen2VLForConditionalGeneration(config), t.Qwen2VLImageProcessor(**_QWEN_PIXELS)
-
-
-def _qwen3_vl(t: Any) -> tuple[Any, Any]:
-    vision = {
-        "depth": 2,
-        "hidden_size": 32,
-        "intermediate_size": 48,
-        "num_heads": 2,
-        "patch_size": 16,
-        "spatial_merge_size": 2,
-        "temporal_patch_size": 2,
-        "out_hidden_size": 64,
-        "num_position_embeddings": 64,
-        "deepstack_visual_indexes": [0, 1],
-    }
-    config = t.Qwen3VLConfig(
-        text_config={**_TEXT, "rope_parameters": _mrope(interleaved=True)},
-        vision_config=vision,
-        **_QWEN_IDS,
+    patch = int(tower_config["patch_size"])
+    merged = 2 * patch  # at least 4 merged tokens an image, at most ``tokens``
+    processor = t.Qwen2VLImageProcessor(
+        patch_size=patch, min_pixels=merged * merged * 4, max_pixels=merged * merged * tokens
     )
-    processor = t.Qwen2VLImageProcessor(patch_size=16, min_pixels=64 * 64, max_pixels=32 * 32 * 256)
-    return t.Qwen3VLForConditionalGeneration(config), processor
+    return TinyParts(getattr(t, f"{prefix}ForConditionalGeneration"), config, processor)
 
 
-def _llava(t: Any) -> tuple[Any, Any]:
+def _llava(t: Any, text: dict[str, Any], _tokens: int, _vision: dict[str, Any]) -> TinyParts:
     config = t.LlavaConfig(
-        text_config={"model_type": "llama", **_TEXT},
-        vision_config=_tower(
+        text_config={"model_type": "llama", **text},
+        vision_config=tower(
             model_type="clip_vision_model", image_size=28, patch_size=7, projection_dim=32
         ),
         image_token_id=9,
@@ -195,67 +245,69 @@ def _llava(t: Any) -> tuple[Any, Any]:
     processor = t.CLIPImageProcessor(
         size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}
     )
-    return t.LlavaForConditionalGeneration(config), processor
+    return TinyParts(t.LlavaForConditionalGeneration, config, processor)
 
 
-def _llava_onevision(t: Any) -> tuple[Any, Any]:
+def _llava_onevision(
+    t: Any, text: dict[str, Any], _tokens: int, _vision: dict[str, Any]
+) -> TinyParts:
     config = t.LlavaOnevisionConfig(
-        text_config={"model_type": "qwen2", **_TEXT},
-        vision_config=_tower(
+        text_config={"model_type": "qwen2", **text},
+        vision_config=tower(
             model_type="siglip_vision_model", image_size=28, patch_size=7, vision_use_head=False
         ),
         image_token_index=9,
-        image_grid_pinpoints=_PINPOINTS,
+        image_grid_pinpoints=PINPOINTS,
         vision_aspect_ratio="anyres_max_9",
     )
     processor = t.LlavaOnevisionImageProcessor(
-        size={"height": 28, "width": 28}, image_grid_pinpoints=_PINPOINTS
+        size={"height": 28, "width": 28}, image_grid_pinpoints=PINPOINTS
     )
-    return t.LlavaOnevisionForConditionalGeneration(config), processor
+    return TinyParts(t.LlavaOnevisionForConditionalGeneration, config, processor)
 
 
-def _gemma3(t: Any) -> tuple[Any, Any]:
+def _gemma3(t: Any, text: dict[str, Any], _tokens: int, _vision: dict[str, Any]) -> TinyParts:
     config = t.Gemma3Config(
-        text_config={"model_type": "gemma3_text", **_TEXT, "sliding_window": 16},
-        vision_config=_tower(model_type="siglip_vision_model", image_size=32, patch_size=4),
+        text_config={"model_type": "gemma3_text", **text, "sliding_window": 16},
+        vision_config=tower(model_type="siglip_vision_model", image_size=32, patch_size=4),
         mm_tokens_per_image=16,
         image_token_id=11,
         boi_token_id=9,
         eoi_token_id=10,
     )
     processor = t.Gemma3ImageProcessor(size={"height": 32, "width": 32})
-    return t.Gemma3ForConditionalGeneration(config), processor
+    return TinyParts(t.Gemma3ForConditionalGeneration, config, processor)
 
 
-def _internvl(t: Any) -> tuple[Any, Any]:
+def _internvl(t: Any, text: dict[str, Any], _tokens: int, _vision: dict[str, Any]) -> TinyParts:
     config = t.InternVLConfig(
-        text_config={"model_type": "qwen2", **_TEXT},
-        vision_config=_tower(image_size=[32, 32], patch_size=[8, 8]),
+        text_config={"model_type": "qwen2", **text},
+        vision_config=tower(image_size=[32, 32], patch_size=[8, 8]),
         image_token_id=11,
         downsample_ratio=0.5,
     )
     processor = t.GotOcr2ImageProcessor(
         size={"height": 32, "width": 32}, crop_to_patches=True, max_patches=4
     )
-    return t.InternVLForConditionalGeneration(config), processor
+    return TinyParts(t.InternVLForConditionalGeneration, config, processor)
 
 
-def _clip(t: Any) -> tuple[Any, Any]:
-    config = t.CLIPVisionConfig(**_tower(image_size=32, patch_size=8))
+def _clip(t: Any, _text: dict[str, Any], _tokens: int, _vision: dict[str, Any]) -> TinyParts:
+    config = t.CLIPVisionConfig(**tower(image_size=32, patch_size=8))
     processor = t.CLIPImageProcessor(
         size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}
     )
-    return t.CLIPVisionModel(config), processor
+    return TinyParts(t.CLIPVisionModel, config, processor)
 
 
-def _siglip(t: Any) -> tuple[Any, Any]:
-    config = t.SiglipVisionConfig(**_tower(image_size=32, patch_size=8))
-    return t.SiglipVisionModel(config), t.SiglipImageProcessor(size={"height": 32, "width": 32})
+def _siglip(t: Any, _text: dict[str, Any], _tokens: int, _vision: dict[str, Any]) -> TinyParts:
+    config = t.SiglipVisionConfig(**tower(image_size=32, patch_size=8))
+    processor = t.SiglipImageProcessor(size={"height": 32, "width": 32})
+    return TinyParts(t.SiglipVisionModel, config, processor)
 
 
-_BUILDERS: dict[str, Callable[[Any], tuple[Any, Any]]] = {
-    "qwen2_vl": _qwen2_vl,
-    "qwen3_vl": _qwen3_vl,
+_PARTS: dict[str, Callable[[Any, dict[str, Any], int, dict[str, Any]], TinyParts]] = {
+    **{family: partial(_qwen, family) for family in _QWEN_TOWERS},
     "llava": _llava,
     "llava_onevision": _llava_onevision,
     "gemma3": _gemma3,
@@ -263,5 +315,5 @@ _BUILDERS: dict[str, Callable[[Any], tuple[Any, Any]]] = {
     "clip": _clip,
     "siglip": _siglip,
 }
-"""Each family's model (random weights, from its config) and image processor, given the
-``transformers`` module; Qwen2.5-VL is :func:`save_tiny_qwen2_5_vl`."""
+"""Each family's tiny parts, given the ``transformers`` module, the language model's config,
+a Qwen processor's most tokens an image and keys added to the vision config."""
