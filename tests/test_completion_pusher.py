@@ -9,8 +9,9 @@ import pytest
 import trio
 import zmq
 
-from trio_encode.completion import CompletionPusher, Endpoint
+from trio_encode.completion import CompletionPusher, Endpoint, Kind
 from trio_encode.completion import pusher as pusher_module
+from trio_encode.completion.pusher import MAX_SOCKETS
 from trio_encode.errors import CompletionFailed
 
 
@@ -97,9 +98,8 @@ async def test_idle_sockets_are_closed_and_the_count_is_bounded(
 ) -> None:
     sock, endpoint = pull
     monkeypatch.setattr(pusher_module, "IDLE_SECONDS", 0.2)
-    monkeypatch.setattr(pusher_module, "MAX_SOCKETS", 1)
     async with trio.open_nursery() as nursery:
-        pusher = CompletionPusher(timeout=0.3)
+        pusher = CompletionPusher(timeout=0.3, max_sockets=1)
         await nursery.start(pusher.run)
         await pusher.push(endpoint, b"one", kind="done")
         assert pusher.open_sockets == 1
@@ -114,6 +114,94 @@ async def test_idle_sockets_are_closed_and_the_count_is_bounded(
         nursery.cancel_scope.cancel()
 
 
+@pytest.fixture
+def pulls() -> Iterator[list[tuple[zmq.Socket[bytes], Endpoint]]]:
+    """Three prefill ranks' PULL sockets on loopback."""
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    socks = [context.socket(zmq.PULL) for _ in range(3)]
+    yield [(s, Endpoint("127.0.0.1", s.bind_to_random_port("tcp://127.0.0.1"))) for s in socks]
+    for s in socks:
+        s.close(linger=0)
+    context.term()
+
+
+async def test_the_socket_bound_is_exact_and_closes_the_least_recently_used_idle_one(
+    pulls: list[tuple[zmq.Socket[bytes], Endpoint]],
+) -> None:
+    """With the bound at 2 and three live ranks, two sockets are open: a new endpoint closes
+    the idle one used longest ago, and every message still arrives."""
+    (sock_a, a), (sock_b, b), (sock_c, c) = pulls
+    async with trio.open_nursery() as nursery:
+        pusher = CompletionPusher(timeout=5, max_sockets=2)
+        await nursery.start(pusher.run)
+        await pusher.push(a, b"a1", kind="done")
+        await pusher.push(b, b"b1", kind="done")
+        assert pusher.open_endpoints == [a, b]
+        await pusher.push(a, b"a2", kind="done")  # a is now the most recently used
+        await pusher.push(c, b"c1", kind="done")
+        assert pusher.open_endpoints == [a, c]  # b, idle the longest, was closed
+        await pusher.push(b, b"b2", kind="error")
+        assert pusher.open_endpoints == [c, b]
+        assert pusher.open_sockets == 2
+        for sock, expected in ((sock_a, [b"a1", b"a2"]), (sock_b, [b"b1", b"b2"])):
+            assert [await received(sock), await received(sock)] == expected
+        assert await received(sock_c) == b"c1"
+        assert (pusher.sent, pusher.failed) == (5, 0)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_full_bound_refuses_a_new_endpoint_rather_than_exceeding_it(
+    pulls: list[tuple[zmq.Socket[bytes], Endpoint]],
+) -> None:
+    """Both sockets busy (pushes to gone hosts waiting): a third endpoint gets no socket and
+    its push fails at once; the bound is never passed."""
+    (_, live), *_ = pulls
+    gone = [Endpoint("127.0.0.1", dead_port()) for _ in range(2)]
+    async with trio.open_nursery() as nursery:
+        pusher = CompletionPusher(timeout=0.5, max_sockets=2, error_sockets=2)
+        await nursery.start(pusher.run)
+        async with trio.open_nursery() as pushes:
+            for endpoint in gone:
+                pushes.start_soon(_fails, pusher, endpoint, "error")
+            await trio.sleep(0.05)
+            assert pusher.open_sockets == 2
+            with pytest.raises(CompletionFailed, match="2 prefill endpoints are being sent to"):
+                await pusher.push(live, b"x", kind="done")
+            assert pusher.open_sockets == 2
+        nursery.cancel_scope.cancel()
+
+
+async def _fails(pusher: CompletionPusher, endpoint: Endpoint, kind: Kind) -> None:
+    with pytest.raises(CompletionFailed):
+        await pusher.push(endpoint, b"lost", kind=kind)
+
+
+async def test_error_pushes_to_gone_hosts_never_take_the_sockets_done_pushes_need(
+    pull: tuple[zmq.Socket[bytes], Endpoint],
+) -> None:
+    """300 error pushes to closed ports at once (one request naming them, as measured against
+    a server that then answered a real rank's /send 502): they hold at most a quarter of the
+    sockets, waiting their turn, while a rank's done push is delivered at once."""
+    sock, live = pull
+    gone = sorted({dead_port() for _ in range(300)})
+    async with trio.open_nursery() as nursery:
+        pusher = CompletionPusher(timeout=0.5)
+        await nursery.start(pusher.run)
+        async with trio.open_nursery() as pushes:
+            for port in gone:
+                pushes.start_soon(_fails, pusher, Endpoint("127.0.0.1", port), "error")
+            await trio.sleep(0.1)
+            started = trio.current_time()
+            await pusher.push(live, b"done", kind="done")
+            assert await received(sock) == b"done"
+            assert trio.current_time() - started < 0.3
+            # Meanwhile the error pushes still wait, on a quarter of the sockets.
+            assert pusher.error_pushes == MAX_SOCKETS // 4
+            assert pusher.open_sockets <= MAX_SOCKETS // 4 + 1
+        nursery.cancel_scope.cancel()
+    assert (pusher.sent, pusher.failed) == (1, len(gone))
+
+
 def test_endpoints_are_host_names_or_addresses_and_ports() -> None:
     assert Endpoint("10.0.0.5", 30001).address == "tcp://10.0.0.5:30001"
     assert Endpoint("::1", 5).address == "tcp://[::1]:5"
@@ -121,3 +209,13 @@ def test_endpoints_are_host_names_or_addresses_and_ports() -> None:
     for host, port in (("10.0.0.5", 0), ("10.0.0.5", 70000), ("a b", 1), ("x;y", 1), ("", 1)):
         with pytest.raises(ValueError, match=r"embedding_port|prefill_host"):
             Endpoint(host, port)
+
+
+def test_the_bounds_are_checked() -> None:
+    for bounds in (
+        {"max_sockets": 0},
+        {"max_sockets": 4, "error_sockets": 5},
+        {"error_sockets": 0},
+    ):
+        with pytest.raises(ValueError, match="sockets"):
+            CompletionPusher(timeout=1, **bounds)

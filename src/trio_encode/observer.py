@@ -1,8 +1,14 @@
-"""Lifecycle events, for metrics and tests, without the lifecycle knowing about Prometheus."""
+"""Lifecycle events, for metrics and tests, without the lifecycle knowing about Prometheus;
+and the containment of background tasks' failures (:class:`TaskFaults`)."""
 
 from __future__ import annotations
 
-from typing import Literal, Protocol
+import logging
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from typing import Literal, Protocol, runtime_checkable
+
+log = logging.getLogger(__name__)
 
 RegistrationCall = Literal["register", "deregister"]
 
@@ -92,3 +98,46 @@ class NullObserver:
 
     def transfer_hold_overdue(self, nbytes: int) -> None:
         pass
+
+
+@runtime_checkable
+class TaskFaultObserver(Protocol):
+    """Optionally implemented beside :class:`LifecycleObserver` (a separate protocol, so an
+    observer written before it still fits): told of each background task that failed."""
+
+    def background_task_failed(self, kind: str) -> None:
+        """A background task of ``kind`` raised an unexpected exception (a bug); it was
+        logged and contained, and nothing else stopped."""
+        ...
+
+
+class TaskFaults:
+    """Keeps a failing background task from reaching the nursery it runs in.
+
+    The service nursery holds every request scope: an exception escaping one of its tasks
+    would cancel them all and end the process. A task run through :meth:`contain` instead
+    has its exception logged once (with its kind and traceback), counted by kind here and
+    through the observer, and ends alone.
+    """
+
+    def __init__(self, observer: object = None) -> None:
+        self.counts: Counter[str] = Counter()
+        """Contained failures by task kind (also for tests)."""
+        self._observer = observer if isinstance(observer, TaskFaultObserver) else None
+
+    def record(self, kind: str, error: Exception) -> None:
+        """Count and log one contained failure of a ``kind`` task."""
+        self.counts[kind] += 1
+        log.error("background task %s failed: %r", kind, error, exc_info=error)
+        if self._observer is not None:
+            self._observer.background_task_failed(kind)
+
+    async def contain(
+        self, kind: str, task: Callable[..., Awaitable[object]], *args: object
+    ) -> None:
+        """Run ``task(*args)``; an :class:`Exception` from it is recorded, never raised.
+        Cancellation still passes through."""
+        try:
+            await task(*args)
+        except Exception as exc:
+            self.record(kind, exc)

@@ -16,7 +16,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import trio
@@ -24,7 +24,13 @@ from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from trio_encode.arena import Arena
 from trio_encode.arrivals import Arrivals
-from trio_encode.completion import CompletionMessage, CompletionPusher, Endpoint
+from trio_encode.completion import (
+    CompletionMessage,
+    CompletionPusher,
+    Endpoint,
+    FailureNotices,
+    Pusher,
+)
 from trio_encode.declare import SETTINGS, in_group
 from trio_encode.engine import EngineError, TransferEngine
 from trio_encode.errors import (
@@ -36,11 +42,12 @@ from trio_encode.errors import (
     RequestError,
 )
 from trio_encode.ledger import Lease, RegistrationLedger
-from trio_encode.observer import LifecycleObserver, NullObserver
+from trio_encode.observer import LifecycleObserver, NullObserver, TaskFaults
 from trio_encode.receivers import receiver_host, same_host
 from trio_encode.request_types import (
     EmbeddingMemory,
     EmbeddingShape,
+    Encode,
     Receiver,
     SendReport,
     grid_dim,
@@ -208,16 +215,50 @@ class Notify:
 _PART_ID = re.compile(r"^(.*)_local_part_([0-9]+)$")
 _FAMILY = "parts of\0"  # keys of failed families, apart from req_ids
 
+
+def _part_of(req_id: str) -> tuple[str, int] | None:
+    """``(rid, index)`` when ``req_id`` is written as SGLang writes part ``index`` of ``rid``
+    (``{rid}_local_part_{index}``, the index without leading zeros); None otherwise."""
+    match = _PART_ID.match(req_id)
+    if match is None or (len(match.group(2)) > 1 and match.group(2).startswith("0")):
+        return None
+    return match.group(1), int(match.group(2))
+
+
+def _family_of(req_id: str) -> str | None:
+    part = _part_of(req_id)
+    return None if part is None else part[0]
+
+
 REMEMBER_FAILURES = 10_000
 """Failed requests (and families of parts) remembered for their late pulls, at most."""
+REMEMBER_ENDED = 1024
+"""Ended requests whose bound endpoints are remembered (for ``pull_timeout``), so that a late
+``/send``'s error still reaches its rank; at most ``REMEMBER_ENDED * MAX_ENDPOINTS``
+endpoints (about 10 MiB)."""
+MAX_ENDPOINTS = 64
+"""Prefill endpoints one request may have bound, over all its calls. A rank has one endpoint,
+and the ranks that receive a request are its prefill's tensor-parallel ranks: 64 is eight
+nodes of 8 GPUs, above the layouts SGLang documents (TP 8 to 32). It keeps what one request
+can make the server push, and remember, small: a client naming thousands of ports gets a 400."""
+UNKNOWN_CLIENT = "unknown"
+"""The client of a call whose caller did not say (error pushes are bounded per client)."""
 
 
-@dataclass
-class _Live:
-    """What the service keeps beside a live scope: its part, and the endpoints named."""
+@dataclass(eq=False)
+class _Request:
+    """What the service keeps beside a request's scope, and for a while after it ended: its
+    part and the prefill endpoints bound to it (those its ``/encode`` calls named, and those of
+    the ``/send`` calls it admitted), each with the client that named it. Only these are ever
+    sent the request's failure, each at most once."""
 
+    req_id: str
     part: Part
-    endpoints: set[Endpoint]
+    endpoints: dict[Endpoint, str] = field(default_factory=dict)
+    told: set[Endpoint] = field(default_factory=set)
+    """Bound endpoints already sent (or being sent) the request's failure."""
+    full: bool = False
+    """A /send's endpoint found no room (logged once)."""
 
 
 @dataclass(frozen=True)
@@ -242,6 +283,7 @@ class EncodeService:
         encoder: Encoder,
         settings: ServiceSettings,
         observer: LifecycleObserver,
+        pusher: Pusher | None = None,
     ) -> None:
         self.engine = engine
         self.encoder = encoder
@@ -261,20 +303,30 @@ class EncodeService:
         self.shutdown_report: ShutdownReport | None = None
         self._grace = trio.CancelScope(deadline=math.inf)
         self._shutdown_done = trio.Event()
-        self.arrivals = Arrivals()
+        self.arrivals = Arrivals(group=_family_of)
         self._prefill_hosts: weakref.WeakKeyDictionary[RequestScope, str] = (
             weakref.WeakKeyDictionary()
         )
         """``prefill_host`` of each live request whose /encode named one."""
         self._nursery = nursery
         self._held = _HeldMemory()
-        self.completions = (
-            CompletionPusher(timeout=settings.completion_timeout, observer=observer)
-            if settings.completion_messages
-            else None
-        )
+        self.faults = TaskFaults(observer)
+        """The failures of background tasks, contained (logged and counted by kind)."""
+        self.completions: Pusher | None = None
         """Pushes SGLang's completion messages; None when they are turned off."""
-        self._live: dict[str, _Live] = {}
+        self.notices: FailureNotices | None = None
+        """Pushes failures to the ranks bound to a request, bounded per client."""
+        if settings.completion_messages:
+            self.completions = pusher or CompletionPusher(
+                timeout=settings.completion_timeout, observer=observer
+            )
+            self.notices = FailureNotices(self.completions, self.faults, observer=observer)
+        self._requests: dict[str, _Request] = {}
+        """Live requests opened through :meth:`encode`, by req_id."""
+        self._families: dict[str, dict[str, _Request]] = {}
+        """Live requests whose id names a part, by the id of the request they are parts of."""
+        self._ended: OrderedDict[str, tuple[_Request, float]] = OrderedDict()
+        """Recently ended requests (and refused ones that named endpoints), with when."""
         self._failures: OrderedDict[str, tuple[Failure, float]] = OrderedDict()
         """Recent failures by req_id (or part family), with when. A pull arriving after its
         request failed gets the failure at once, also where the scope left no tombstone (bad
@@ -289,8 +341,11 @@ class EncodeService:
         encoder: Encoder,
         settings: ServiceSettings = ServiceSettings(),
         observer: LifecycleObserver | None = None,
+        pusher: Pusher | None = None,
     ) -> AsyncIterator[EncodeService]:
-        """Open the service nursery, start the encoder, and on exit shut down gracefully."""
+        """Open the service nursery, start the encoder, and on exit shut down gracefully.
+
+        ``pusher``: delivers completion messages (default: a :class:`CompletionPusher`)."""
         async with trio.open_nursery() as nursery:
             service = cls(
                 nursery=nursery,
@@ -298,10 +353,13 @@ class EncodeService:
                 encoder=encoder,
                 settings=settings,
                 observer=observer or NullObserver(),
+                pusher=pusher,
             )
             await nursery.start(service.ledger.run)
             if service.completions is not None:
                 await nursery.start(service.completions.run)
+            if service.notices is not None:
+                await nursery.start(service.notices.run)
             arena_lease = await service._register_arena()
             try:
                 await nursery.start(encoder.run)
@@ -365,14 +423,19 @@ class EncodeService:
         receive_count: int | None,
         part: Part | None = None,
         prefill_host: str | None = None,
+        client: str | None = None,
     ) -> EncodeReport:
         """Run the encoder once for ``req_id``; siblings share the run and its answer.
 
         ``part``: where the request sits among its prefill request's parts, and the prefill
-        ranks to tell if the encode fails. ``prefill_host``: the host every receiver of the
-        request must be on (when ``receivers_match_prefill_host``).
+        ranks to tell if the encode fails (at most :data:`MAX_ENDPOINTS` per request over all
+        its calls; past it, :class:`InvalidInput` and nothing changes). ``prefill_host``: the
+        host every receiver of the request must be on (when ``receivers_match_prefill_host``).
+        ``client``: the caller's address, which failure pushes to those ranks are charged to.
         """
         part = part or Part()
+        named = dict.fromkeys(part.endpoints, client or UNKNOWN_CLIENT)
+        self._check_room(req_id, {}, named)
         scope = self.registry.find_live(req_id)
         if scope is None:
             self.registry.refuse_if_closed(req_id)
@@ -386,7 +449,9 @@ class EncodeService:
             except InvalidInput as exc:
                 # Pulls already waiting for this id learn why now, not at their timeout.
                 self.arrivals.announce(req_id, error=exc)
-                self._failed(req_id, part, set(part.endpoints), Failure.of(exc))
+                refused = _Request(req_id, part, named)
+                self._failed(refused, Failure.of(exc))
+                self._remember_ended(refused)
                 raise
 
             taken: list[tuple[int, int]] = []
@@ -396,85 +461,163 @@ class EncodeService:
                 taken.extend(self._held.take(embedding))  # the scope keeps it from here
                 return embedding
 
-            scope = await self.registry.open(
-                req_id, receive_count=receive_count, encode=run_encoder
-            )
-            self._nursery.start_soon(self._give_back_when_ended, scope, taken)
-            if prefill_host is not None and self.settings.receivers_match_prefill_host:
-                self._prefill_hosts[scope] = prefill_host
-            if req_id not in self._live:
-                self._failures.pop(req_id, None)  # a corrected retry of a bad request
-                live = self._live[req_id] = _Live(part, set(part.endpoints))
-                self._nursery.start_soon(self._follow, scope, live)
-            self.arrivals.announce(req_id)
-        else:
-            scope.check_receive_count(receive_count)
-        known = self._live.get(req_id)
-        if known is not None:
-            known.endpoints.update(part.endpoints)
+            if self.registry.live(req_id) is None:  # no checkpoint until open() creates it
+                opening = _Request(req_id, part, named)
+                return await self._open(opening, receive_count, prefill_host, run_encoder, taken)
+            scope = self.registry.require_live(req_id)  # a sibling opened it meanwhile
+        record = self._requests.get(req_id)
+        if record is not None:
+            self._check_room(req_id, record.endpoints, named)
+        scope.check_receive_count(receive_count)
+        if record is not None:
+            record.endpoints.update((e, c) for e, c in named.items() if e not in record.endpoints)
         shape = await scope.wait_encoded()
         return EncodeReport(shape, scope.receive_count)
 
-    async def _give_back_when_ended(
-        self, scope: RequestScope, taken: list[tuple[int, int]]
-    ) -> None:
-        """Beside each scope: what its embedding took from :attr:`held_bytes` goes back when
-        the scope has released it."""
+    async def _open(
+        self,
+        record: _Request,
+        receive_count: int | None,
+        prefill_host: str | None,
+        run_encoder: Encode,
+        taken: list[tuple[int, int]],
+    ) -> EncodeReport:
+        """Open the request's scope, whose encode is ``run_encoder``, and what the service
+        keeps beside it: its record (in place before the scope, so that siblings joining at
+        once bind their endpoints to it) and one watcher."""
+        req_id = record.req_id
+        self._track(record)
         try:
+            scope = await self.registry.open(
+                req_id, receive_count=receive_count, encode=run_encoder
+            )
+        except BaseException:
+            self._untrack(record)
+            raise
+        self._nursery.start_soon(self.faults.contain, "watcher", self._watch, scope, record, taken)
+        if prefill_host is not None and self.settings.receivers_match_prefill_host:
+            self._prefill_hosts[scope] = prefill_host
+        self._failures.pop(req_id, None)  # a corrected retry of a bad request
+        self.arrivals.announce(req_id)
+        shape = await scope.wait_encoded()
+        return EncodeReport(shape, scope.receive_count)
+
+    def _check_room(
+        self, req_id: str, bound: dict[Endpoint, str], named: dict[Endpoint, str]
+    ) -> None:
+        """Refuse (400) a call that would bind more than :data:`MAX_ENDPOINTS` endpoints to
+        its request: before anything is looked up or changed."""
+        if len(named) <= MAX_ENDPOINTS - len(bound):
+            return
+        total = len(bound) + sum(1 for endpoint in named if endpoint not in bound)
+        if total > MAX_ENDPOINTS:
+            raise InvalidInput(
+                f"this call would give the request {total} prefill endpoints (prefill_host "
+                f"with each embedding_port, over all its calls); at most {MAX_ENDPOINTS} are "
+                "accepted",
+                req_id=req_id,
+            )
+
+    def _track(self, record: _Request) -> None:
+        """``record`` is its request's live one from now (a stale one, whose scope has just
+        ended and whose watcher has not run yet, is replaced)."""
+        self._requests[record.req_id] = record
+        family = _family_of(record.req_id)
+        if family is not None:
+            self._families.setdefault(family, {})[record.req_id] = record
+
+    def _untrack(self, record: _Request) -> None:
+        """Forget ``record`` as live, unless a newer one took its place."""
+        if self._requests.get(record.req_id) is record:
+            del self._requests[record.req_id]
+        family = _family_of(record.req_id)
+        if family is None:
+            return
+        members = self._families.get(family)
+        if members is not None and members.get(record.req_id) is record:
+            del members[record.req_id]
+            if not members:
+                del self._families[family]
+
+    def _remember_ended(self, record: _Request) -> None:
+        """Keep an ended request's endpoints for its late sends' errors (bounded)."""
+        if not record.endpoints:
+            return
+        now = trio.current_time()
+        self._ended[record.req_id] = (record, now)
+        self._ended.move_to_end(record.req_id)
+        while self._ended:
+            _, at = next(iter(self._ended.values()))
+            if len(self._ended) <= REMEMBER_ENDED and now - at <= self.settings.pull_timeout:
+                break
+            self._ended.popitem(last=False)
+
+    def _record(self, req_id: str) -> _Request | None:
+        """The request's record: live, or ended within ``pull_timeout`` (and remembered)."""
+        record = self._requests.get(req_id)
+        if record is not None:
+            return record
+        entry = self._ended.get(req_id)
+        if entry is None or trio.current_time() - entry[1] > self.settings.pull_timeout:
+            return None
+        return entry[0]
+
+    async def _watch(
+        self, scope: RequestScope, record: _Request, taken: list[tuple[int, int]]
+    ) -> None:
+        """Beside each scope: when its encode fails, tell its prefill ranks and end its
+        sibling parts here; when it has ended, give back what its embedding took from
+        :attr:`held_bytes` and forget it (keeping its endpoints for late sends a while)."""
+        try:
+            await self.faults.contain("failure", self._follow, scope, record)
             await scope.wait_ended()
         finally:
             self._held.give_back(taken)
+            self._untrack(record)
+            self._remember_ended(record)
 
-    def _check_prefill_host(self, scope: RequestScope, receiver: Receiver) -> None:
-        prefill_host = self._prefill_hosts.get(scope)
-        host = receiver_host(receiver.session_id)
-        if prefill_host is not None and not same_host(host, prefill_host):
-            raise ReceiverHostMismatch(
-                f"receiver host {host!r} is not this request's prefill_host {prefill_host!r}",
-                req_id=scope.req_id,
-            )
-
-    async def _follow(self, scope: RequestScope, live: _Live) -> None:
-        """Beside each scope: when its encode fails, tell every prefill rank named so far and
-        end its sibling parts here; forget it when it ends."""
+    async def _follow(self, scope: RequestScope, record: _Request) -> None:
         try:
-            try:
-                await scope.wait_encoded()
-            except RequestError as exc:
-                failure = scope.failure or Failure.of(exc)
-                self._failed(scope.req_id, live.part, live.endpoints, failure)
-            await scope.wait_ended()
-        finally:
-            if self._live.get(scope.req_id) is live:
-                del self._live[scope.req_id]
+            await scope.wait_encoded()
+        except RequestError as exc:
+            self._failed(record, scope.failure or Failure.of(exc))
 
-    def _failed(
-        self,
-        req_id: str,
-        part: Part,
-        endpoints: set[Endpoint],
-        failure: Failure,
-    ) -> None:
-        """``req_id`` failed: remember why for its late pulls, push the error to each rank
-        named, and end its sibling parts on this server (their ranks will never send them)."""
+    def _failed(self, record: _Request, failure: Failure) -> None:
+        """The request failed: remember why for its late pulls, tell the ranks bound to it,
+        and end its sibling parts on this server (their ranks will never send them).
+
+        The siblings are those that exist here (live requests and waiting pulls of the same
+        family, found through their indexes): the work is theirs, never the number of parts
+        a client claims. A family already failed has had its siblings ended once."""
+        req_id, part = record.req_id, record.part
         self._remember_failure(req_id, failure)
-        for endpoint in endpoints:
-            self._push_error(endpoint, req_id, part, failure)
+        self._tell(record, failure)
         family = Part.family(req_id, part)
-        if family is None:
+        if family is None or self._recent_failure(_FAMILY + family) is not None:
             return
         sibling_failure = Failure(
             failure.error_type, f"part {part.part_idx} of this request failed: {failure.message}"
         )
         self._remember_failure(_FAMILY + family, sibling_failure)
-        for index in range(part.num_parts):
-            sibling = f"{family}_local_part_{index}"
-            if sibling == req_id:
-                continue
-            self.arrivals.announce(sibling, error=sibling_failure.error(sibling))
+        for sibling in self._siblings(family, req_id, part, list(self._families.get(family, ()))):
             scope = self.registry.live(sibling)
             if scope is not None:
                 scope.abandon(sibling_failure)
+        for sibling in self._siblings(family, req_id, part, self.arrivals.waiting_in(family)):
+            self.arrivals.announce(sibling, error=sibling_failure.error(sibling))
+
+    @staticmethod
+    def _siblings(family: str, req_id: str, part: Part, ids: list[str]) -> list[str]:
+        """Of ``ids`` (all of ``family``), the other parts of ``part``'s request."""
+        siblings = []
+        for other in ids:
+            where = _part_of(other)
+            if other == req_id or where is None:
+                continue
+            other_family, index = where
+            if other_family == family and index < part.num_parts:
+                siblings.append(other)
+        return siblings
 
     def _remember_failure(self, key: str, failure: Failure) -> None:
         now = trio.current_time()
@@ -507,21 +650,41 @@ class EncodeService:
         if sibling is not None:
             raise sibling.error(req_id)
 
-    def _push_error(self, endpoint: Endpoint, req_id: str, part: Part, failure: Failure) -> None:
-        """Tell one prefill rank that this part failed, in the background (best effort)."""
-        if self.completions is None or self.registry.closed:
+    def _tell(
+        self,
+        record: _Request,
+        failure: Failure,
+        *,
+        only: Endpoint | None = None,
+        client: str | None = None,
+    ) -> None:
+        """Push the request's failure, in the background, to the endpoints bound to it that
+        were not told yet (``only``: to that one, if it is bound), charged to ``client`` (by
+        default each endpoint's own). An endpoint a request never bound is never told."""
+        if self.notices is None or self.registry.closed:
             return
-        message = CompletionMessage.failed(
-            req_id, part.num_parts, part.part_idx, failure.message, failure.error_type.status
-        )
-        self._nursery.start_soon(self._push_quietly, endpoint, message)
-
-    async def _push_quietly(self, endpoint: Endpoint, message: CompletionMessage) -> None:
-        assert self.completions is not None
+        if only is None:
+            targets = {e: c for e, c in record.endpoints.items() if e not in record.told}
+        elif only in record.endpoints and only not in record.told:
+            targets = {only: client or record.endpoints[only]}
+        else:
+            return
+        if not targets:
+            return
+        record.told.update(targets)
+        part = record.part
         try:
-            await self.completions.push(endpoint, message.to_bytes(), kind="error")
-        except CompletionFailed as exc:
-            log.warning("error message not delivered: %s", exc, extra={"req_id": message.req_id})
+            message = CompletionMessage.failed(
+                record.req_id,
+                part.num_parts,
+                part.part_idx,
+                failure.message,
+                failure.error_type.status,
+            ).to_bytes()
+        except ValueError as exc:  # a part no message can carry: a bug upstream
+            self.faults.record("failure_message", exc)
+            return
+        self.notices.notify(record.req_id, message, targets)
 
     async def pull(self, req_id: str, *, receive_count: int | None = None) -> EncodeReport:
         """Wait for ``req_id``'s encode to publish its shape, without starting one.
@@ -555,6 +718,7 @@ class EncodeService:
         *,
         receive_count: int | None = None,
         notify: Notify | None = None,
+        client: str | None = None,
     ) -> SendReport:
         """Transfer ``req_id``'s embedding into ``receiver``; returns once the bytes landed
         and, when ``notify`` names a prefill rank, once that rank has SGLang's completion
@@ -564,7 +728,12 @@ class EncodeService:
         ``/send``, while a 200 without the message leaves it waiting for its own timeout. A
         repeat (a receiver already served, whose answer was lost) moves nothing and pushes
         nothing: a second message for a part fails SGLang's request as a duplicate.
-        A send for a request that failed pushes the failure to ``notify`` too.
+
+        A send the request admits binds ``notify``'s endpoint to it (room permitting). A
+        send that fails pushes its error to ``notify`` only when the request is one this
+        server holds or remembers and that endpoint is bound to it (a failure is never pushed
+        for an unknown request, nor to an endpoint its request never named); ``client`` (the
+        caller's address) is charged for that push.
 
         The receiver's host must be the ``prefill_host`` its ``/encode`` named, if it named one
         (and ``receivers_match_prefill_host`` is on); which hosts may receive at all is the HTTP
@@ -573,9 +742,8 @@ class EncodeService:
         repeat = self.registry.repeat_send(req_id, receiver)
         if repeat is not None:
             return repeat
-        live = self._live.get(req_id)  # taken now: the scope may end before the push
-        asked = Part(notify.part_idx + 1, notify.part_idx) if notify is not None else Part()
-        part = live.part if live is not None else asked
+        client = client or UNKNOWN_CLIENT
+        record = self._requests.get(req_id)  # taken now: the scope may end before the push
         try:
             scope = self.registry.find_live(req_id)
             if scope is None:
@@ -583,13 +751,44 @@ class EncodeService:
                 scope = self.registry.require_live(req_id)
             self._check_prefill_host(scope, receiver)
             scope.check_receive_count(receive_count)
+            if notify is not None and record is not None:
+                self._bind(record, notify.endpoint, client)
             report = await scope.send(receiver)
         except RequestError as exc:
-            if notify is not None:
-                self._push_error(notify.endpoint, req_id, part, Failure.of(exc))
+            known = record or self._record(req_id)
+            if notify is not None and known is not None:
+                self._tell(known, Failure.of(exc), only=notify.endpoint, client=client)
             raise
         if notify is not None and self.completions is not None and not report.repeat:
-            shape = report.shape
+            await self._push_done(req_id, record, notify, report)
+        return report
+
+    def _bind(self, record: _Request, endpoint: Endpoint, client: str) -> None:
+        """Bind a send's endpoint to its request (so its failure may be told there), unless
+        the request has :data:`MAX_ENDPOINTS` already: then one log line, and the send goes
+        on (its own completion message does not need the binding)."""
+        if endpoint in record.endpoints:
+            return
+        if len(record.endpoints) < MAX_ENDPOINTS:
+            record.endpoints[endpoint] = client
+        elif not record.full:
+            record.full = True
+            log.warning(
+                "request has %d prefill endpoints bound, the most; /send endpoints beyond "
+                "them are not told of its failure",
+                MAX_ENDPOINTS,
+                extra={"req_id": record.req_id},
+            )
+
+    async def _push_done(
+        self, req_id: str, record: _Request | None, notify: Notify, report: SendReport
+    ) -> None:
+        """Deliver the rank's completion message (its bytes landed), or raise
+        :class:`CompletionFailed` naming the endpoint."""
+        assert self.completions is not None
+        part = record.part if record is not None else Part(notify.part_idx + 1, notify.part_idx)
+        shape = report.shape
+        try:
             message = CompletionMessage(
                 req_id,
                 part.num_parts,
@@ -597,14 +796,28 @@ class EncodeService:
                 grid_dim=grid_dim(shape.grids),
                 shape=(shape.rows, shape.dim),
                 dtype=shape.dtype,
+            ).to_bytes()
+        except ValueError as exc:
+            raise CompletionFailed(
+                f"no completion message for {notify.endpoint.address} can carry this "
+                f"request: {exc}",
+                req_id=req_id,
+            ) from None
+        try:
+            await self.completions.push(notify.endpoint, message, kind="done")
+        except CompletionFailed as exc:
+            exc.req_id = req_id
+            log.error("%s", exc.message, extra={"req_id": req_id})
+            raise
+
+    def _check_prefill_host(self, scope: RequestScope, receiver: Receiver) -> None:
+        prefill_host = self._prefill_hosts.get(scope)
+        host = receiver_host(receiver.session_id)
+        if prefill_host is not None and not same_host(host, prefill_host):
+            raise ReceiverHostMismatch(
+                f"receiver host {host!r} is not this request's prefill_host {prefill_host!r}",
+                req_id=scope.req_id,
             )
-            try:
-                await self.completions.push(notify.endpoint, message.to_bytes(), kind="done")
-            except CompletionFailed as exc:
-                exc.req_id = req_id
-                log.error("%s", exc.message, extra={"req_id": req_id})
-                raise
-        return report
 
     def end_grace(self) -> None:
         """Cut a running shutdown's grace period short: live scopes are cancelled now."""
