@@ -24,7 +24,8 @@ LAYERS: tuple[frozenset[str], ...] = tuple(
         "cli",  # the command line: every command, so it may reach everything
         "tools",  # demo, fleet demo, bench, soak
         "testing",  # test doubles and drivers: the in-memory engine, fault injection, costs
-        "server logs",  # HTTP: the app, its errors and metrics, hypercorn, log set-up
+        "server",  # HTTP: the app, its errors and metrics, hypercorn
+        "logs",  # log set-up: the sink that never blocks, and its count of dropped lines
         "options",  # the command line's options, generated from the settings
         "settings",  # every setting of `serve`, gathered from the layers that obey them
         "service",  # the service nursery: scopes, pulls, the encoder and the engine together

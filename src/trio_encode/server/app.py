@@ -65,6 +65,11 @@ access_log = logging.getLogger("trio_encode.access")
 
 _CUT = "trio_encode.body_cut"
 """The ASGI scope's key set when :class:`_BodyLimits` cut a body at its route's limit."""
+_PARSED_ASIDE_BYTES = 1 << 20
+"""An /encode body larger than this is parsed in a worker thread, one at a time: scanning and
+validating tens of MB of JSON takes a tenth of a second or more, which the event loop (every
+other request's answers) must not wait for. The parser holds the GIL for one C call at a time,
+so the loop waits at most for the longest of them, not for the sum."""
 _BODY_END = {"type": "http.request", "body": b"", "more_body": False}
 _OVER_BUDGET = "trio_encode.body_over_budget"
 """The ASGI scope's key set when :class:`_BodyLimits` refused a body over the total budget."""
@@ -177,6 +182,7 @@ def create_app(service: EncodeService, metrics: Metrics, settings: ServerSetting
     install_error_handlers(app)
     expected = f"Bearer {settings.token}".encode() if settings.token else None
     sends_in_flight: Counter[str] = Counter()
+    parsing = trio.CapacityLimiter(1)
     receivers = settings.receiver_policy
 
     @app.before_request
@@ -241,7 +247,11 @@ def create_app(service: EncodeService, metrics: Metrics, settings: ServerSetting
 
     @app.post("/encode")
     async def encode() -> Response:
-        body = parse_body(EncodeRequest, await read_body())
+        raw = await read_body()
+        if len(raw) > _PARSED_ASIDE_BYTES:  # megabytes of JSON: not on the event loop
+            body = await trio.to_thread.run_sync(parse_body, EncodeRequest, raw, limiter=parsing)
+        else:
+            body = parse_body(EncodeRequest, raw)
         g.req_id = body.req_id
         for endpoint in body.endpoints:  # the server pushes to them: receivers' rules apply
             refuse_unless_allowed(endpoint.host, "prefill_host", body.req_id)
@@ -252,6 +262,7 @@ def create_app(service: EncodeService, metrics: Metrics, settings: ServerSetting
             receive_count=body.receive_count,
             part=part,
             prefill_host=body.prefill_host,
+            client=request.remote_addr or "unknown",
         )
         return jsonify(encode_answer(body, report))
 
@@ -284,6 +295,7 @@ def create_app(service: EncodeService, metrics: Metrics, settings: ServerSetting
                 receiver,
                 receive_count=body.receive_count,
                 notify=None if body.endpoint is None else Notify(body.endpoint, body.part_idx or 0),
+                client=client,
             )
         finally:
             sends_in_flight[client] -= 1

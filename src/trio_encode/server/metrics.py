@@ -156,6 +156,9 @@ class Exposed:
     log_lines_dropped = _Metric(Gauge)
     """Log lines dropped since start because the log's reader was too slow or gone (read at
     scrape time; it only grows)."""
+    background_task_failures = _Metric(Counter, ("kind",))
+    """Background tasks of the service that raised (request watchers, failure handling and
+    pushes), contained: the process and other requests go on; by kind."""
     connection_failures = _Metric(Counter, ("kind",))
     """Connections closed because their server task raised (contained: the process and the
     other connections go on), by the exceptions' class names."""
@@ -324,6 +327,10 @@ class Metrics:
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
         return generate_latest(self.registry)
+
+    def background_task_failed(self, kind: str) -> None:
+        """Count a background task of the service that raised (contained)."""
+        self.exposed.background_task_failures.labels(kind=kind).inc()
 
     def connection_failed(self, kind: str) -> int:
         """Count a connection whose server task failed; how many have, with this kind."""
