@@ -366,6 +366,28 @@ MUTANTS: dict[str, Mutant] = {
         "        elif status == 0:\n            still.append(check)",
         ("tests/test_engine_polling.py::test_mooncakes_own_timeout_status_is_not_an_end",),
     ),
+    "error pushes take any socket (hostile)": Mutant(
+        "completion/pusher.py",
+        '            if kind == "error":\n                async with self._error_slots:',
+        "            if False:\n                async with self._error_slots:",
+        (
+            "tests/test_completion_pusher.py::test_error_pushes_to_gone_hosts_never_take_the_sockets_done_pushes_need",
+        ),
+    ),
+    "a failure pushed to an endpoint its request never bound (hostile)": Mutant(
+        "service.py",
+        "        elif only in record.endpoints and only not in record.told:",
+        "        elif only not in record.told:",
+        (
+            "tests/test_service_completion.py::test_failure_pushes_go_only_to_endpoints_of_requests_this_server_holds",
+        ),
+    ),
+    "endpoints uncapped across joins (hostile)": Mutant(
+        "service.py",
+        "        if len(named) <= MAX_ENDPOINTS - len(bound):\n            return",
+        "        if True:\n            return",
+        ("tests/test_service_completion.py::test_joins_cannot_bind_more_endpoints_than_the_cap",),
+    ),
     # What a hostile or careless client sends: each containment and bound.
     "a connection's failure reaches the server's nursery (hostile)": Mutant(
         "server/connections.py",
