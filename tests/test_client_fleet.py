@@ -3,7 +3,11 @@ and an encoder list read from a file."""
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -189,3 +193,59 @@ async def test_a_send_failing_with_the_requests_own_error_quarantines_its_slot(
         assert pool.quarantined_bytes == pool.nbytes
         assert pool.free_bytes == 0
         await only.settled()  # the scope waited for a retry until its backstop
+
+
+@asynccontextmanager
+async def _refusing_encoder(kind: str) -> AsyncIterator[str]:
+    """An encoder that answers every request 503 with error ``kind`` (draining: shutting_down;
+    at a capacity limit: overloaded), as the server's error body has it; its base URL."""
+    body = json.dumps({"status": "error", "error": kind, "message": f"stand-in: {kind}"})
+    answer = (
+        "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+        f"Retry-After: 1\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n{body}"
+    ).encode()
+    asked: list[bytes] = []
+
+    async def serve(stream: trio.SocketStream) -> None:
+        async with stream:
+            head = b""
+            while b"\r\n\r\n" not in head:
+                chunk = await stream.receive_some(65536)
+                if not chunk:
+                    return
+                head += chunk
+            asked.append(head.split(b" ", 2)[1])
+            await stream.send_all(answer)
+
+    async with trio.open_nursery() as nursery:
+        (listener,) = await nursery.start(partial(trio.serve_tcp, serve, 0, host="127.0.0.1"))
+        port = listener.socket.getsockname()[1]
+        yield f"http://127.0.0.1:{port}"
+        nursery.cancel_scope.cancel()
+    assert asked, "the refusing encoder was never asked"
+
+
+@pytest.mark.parametrize("kind", ["shutting_down", "overloaded"])
+async def test_a_503_from_the_first_encoder_fails_over_to_the_next(
+    rank_engines: RankEngines, kind: str
+) -> None:
+    """The encoder ranked first answers /encode 503 (draining, or at a capacity limit): the
+    request lands on the next encoder with the right bytes, one failover counted."""
+    async with (
+        _refusing_encoder(kind) as refusing,
+        http_server(rank_engines.server) as healthy,
+        landing_pools(rank_engines, embedding_size(1)) as pools,
+    ):
+        encoders = [refusing, healthy.running.url]
+        item = _item_ranking_first(refusing, encoders)
+        expected = expected_embedding([item_bytes(item)]).view(torch.uint8).flatten()
+        async with FleetClient(encoders) as client:
+            result = await client.encode_and_send(kind, [item], pool=pools[0], receive_count=1)
+            assert (result.encoder, result.failovers) == (healthy.running.url, 1)
+            assert client.stats.failovers == 1
+            assert client.health.down() == [refusing]
+        result.slot.verify(result.encoded.embedding_size, result.encoded.checksum)
+        assert torch.equal(_landed(pools[0], result.encoded, result.slot.address), expected)
+        assert pools[0].quarantined_bytes == 0  # the refusal came before any /send
+        result.slot.release()
+        await healthy.settled()

@@ -37,7 +37,7 @@ from pydantic.dataclasses import dataclass as settings_dataclass
 
 from trio_encode.declare import SETTINGS, in_group
 from trio_encode.engine.base import TRANSFER_FAILED, EngineError, Write, engine_code_meaning
-from trio_encode.engine.threads import EngineThreads, ThreadSettings, run_in_thread
+from trio_encode.engine.threads import EngineThreads, ThreadSettings, host_of, run_in_thread
 
 log = logging.getLogger(__name__)
 
@@ -192,10 +192,40 @@ class _Abandoned:
         return any(batch.reads(address, length) for batch in self.batches)
 
 
+@dataclass(eq=False)
+class _Probe:
+    """The one first-contact probe of a receiver: every send to it that arrives while the probe
+    runs waits for this one's answer rather than starting its own thread."""
+
+    session_id: str
+    deadline: float
+    """Trio time after which its thread counts as abandoned (its first waiters gave up)."""
+    answered: trio.Event
+    code: int | None = None
+    """``send_probe``'s answer; None until it returns (or the probe never got a thread)."""
+    running: bool = False
+    """Whether its thread runs now (it holds a slot of its host's probe bound until it ends)."""
+
+    @property
+    def host(self) -> str:
+        return host_of(self.session_id)
+
+    def abandoned(self, now: float) -> bool:
+        """Its thread still runs past the deadline: a paused receiver's handshake read."""
+        return self.running and now >= self.deadline
+
+
 P2P_HANDSHAKE = "P2PHANDSHAKE"
 """The metadata server setting under which peers exchange descriptors by a handshake."""
 _PROBE_THREADS = 16
 """Probes of new receivers at once; a probe into a paused peer may hold its thread ~60 s."""
+_UNBOUNDED = trio.CapacityLimiter(math.inf)
+"""For probe threads, whose tokens (host's and pool's) the probe task takes itself."""
+PROBES_PER_HOST = 4
+"""Probe threads one receiver host may hold, those abandoned at their deadline included: a
+paused node keeps at most this many of the :data:`_PROBE_THREADS` (each ~60 s), so the first
+send to a receiver on another host never waits for a probe thread. Below the pool's size;
+only four nodes paused at once, each with four new receivers stuck, could still use the pool up."""
 
 _SETTLE_FIRST_POLL = 0.05
 """Seconds before asking again about a transfer the engine stopped waiting for."""
@@ -260,7 +290,8 @@ class MooncakeSettings:
     first_contact_timeout: float = engine_setting(2.0, gt=0)
     """With P2PHANDSHAKE, seconds a receiver never sent to before may take to answer a probe before
     its first transfer; one that does not (a paused process) fails that send, instead of stalling
-    every transfer of the engine for ~60 s in Mooncake's handshake."""
+    every transfer of the engine for ~60 s in Mooncake's handshake. Sends to a receiver share its
+    one probe, and a paused host holds at most 4 of the 16 probe threads."""
     device: str = engine_setting("")
     """RDMA device names for Mooncake (empty: let it choose; unused over tcp)."""
     hostname: str = engine_setting("127.0.0.1")
@@ -321,7 +352,13 @@ class MooncakeEngine:
         self._polling = trio.Lock()
         self._contacted: set[str] = set()
         """Receivers a transfer reached: Mooncake has their descriptor, no handshake is due."""
-        self._probes = trio.CapacityLimiter(_PROBE_THREADS)
+        self._probe_threads = trio.CapacityLimiter(_PROBE_THREADS)
+        self._probing: dict[str, _Probe] = {}
+        """The probe of each receiver whose probe thread has not returned yet (at most one)."""
+        self._probe_hosts: dict[str, trio.CapacityLimiter] = {}
+        """Each host's bound on probe threads, while one of its probes runs or waits."""
+        self.probes_started = 0
+        """Probe threads started so far (``send_probe`` calls)."""
 
     @classmethod
     async def create(cls, settings: MooncakeSettings | None = None) -> MooncakeEngine:
@@ -424,31 +461,96 @@ class MooncakeEngine:
         to finish on its own (it touches none of our memory) and the send fails, nothing
         submitted. A peer that freezes between the probe and the handshake still stalls the
         engine (a window of a millisecond). With a metadata server there is no handshake.
+
+        A paused receiver must not use up the probe threads: a receiver has at most one probe
+        thread at a time, and every send to it that arrives while that thread runs (before or
+        after its deadline) waits for its answer, each for at most ``first_contact_timeout``
+        and within its own cancellation; once the thread returns, the next send probes anew (a
+        failure is not remembered). One host's probe threads, abandoned ones included, are
+        capped at :data:`PROBES_PER_HOST`: once all are abandoned, a send to a new receiver of
+        that host fails at once, and other hosts keep the rest of the pool.
         """
         if self.settings.metadata_server != P2P_HANDSHAKE:
             return
         timeout = self.settings.first_contact_timeout
-        with trio.move_on_after(timeout):
-            code = await trio.to_thread.run_sync(
-                self.raw.send_probe, session_id, abandon_on_cancel=True, limiter=self._probes
+        now = trio.current_time()
+        probe = self._probing.get(session_id)
+        if probe is None:
+            host = host_of(session_id)
+            stuck = sum(p.abandoned(now) for p in self._probing.values() if p.host == host)
+            if stuck >= PROBES_PER_HOST:
+                raise self._probe_failed(
+                    session_id,
+                    f"its host has {stuck} first-contact probes that did not answer (a paused "
+                    "node?) and is probed no further until one returns; nothing was sent",
+                )
+            probe = _Probe(session_id, now + timeout, trio.Event())
+            self._probing[session_id] = probe
+            trio.lowlevel.spawn_system_task(self._run_probe, probe)
+        # Each waiter keeps its own deadline: one that joins a probe abandoned earlier (a
+        # paused peer) still gets its answer if the peer resumes within it.
+        with trio.move_on_at(now + timeout):
+            await probe.answered.wait()
+        if probe.code == 0:
+            return
+        if probe.code is None:
+            raise self._probe_failed(
+                session_id,
+                f"the receiver did not answer a first-contact probe within {timeout:g} s "
+                "(paused or overloaded?); nothing was sent",
             )
-            if code == 0:
-                return
-            # The send fails as a transfer to that peer would (-1); the probe's code says why.
-            raise EngineError(
-                "transfer",
-                TRANSFER_FAILED,
-                session_id=session_id,
-                detail=f"its first-contact probe failed with {code} "
-                f"({engine_code_meaning(int(code))}); nothing was sent",
-            )
-        raise EngineError(
-            "transfer",
-            TRANSFER_FAILED,
-            session_id=session_id,
-            detail=f"the receiver did not answer a first-contact probe within {timeout:g} s "
-            "(paused or overloaded?); nothing was sent",
+        # The send fails as a transfer to that peer would (-1); the probe's code says why.
+        raise self._probe_failed(
+            session_id,
+            f"its first-contact probe failed with {probe.code} "
+            f"({engine_code_meaning(probe.code)}); nothing was sent",
         )
+
+    @staticmethod
+    def _probe_failed(session_id: str, detail: str) -> EngineError:
+        return EngineError("transfer", TRANSFER_FAILED, session_id=session_id, detail=detail)
+
+    async def _run_probe(self, probe: _Probe) -> None:
+        """A system task (no caller's cancellation ends it): take a slot of the probe's host
+        and a probe thread before its deadline, run ``send_probe`` and publish its answer,
+        holding both until the thread returns, however long after the deadline. Never raises
+        (a system task's exception would end the run)."""
+        host = probe.host
+        bound = self._probe_hosts.get(host)
+        if bound is None:
+            bound = self._probe_hosts[host] = trio.CapacityLimiter(PROBES_PER_HOST)
+        held: list[trio.CapacityLimiter] = []
+        try:
+            with trio.move_on_at(probe.deadline):
+                for limiter in (bound, self._probe_threads):
+                    await limiter.acquire()
+                    held.append(limiter)
+            if len(held) == 2:
+                probe.running = True
+                self.probes_started += 1
+                # The tokens are held here, so the thread needs none; abandoned only when
+                # the run ends (callers stop waiting at the deadline, not this task).
+                probe.code = int(
+                    await trio.to_thread.run_sync(
+                        self.raw.send_probe,
+                        probe.session_id,
+                        abandon_on_cancel=True,
+                        limiter=_UNBOUNDED,
+                    )
+                )
+        except Exception as error:  # the binding's own error: the probe failed
+            log.warning("first-contact probe of %s raised %r", probe.session_id, error)
+            probe.code = TRANSFER_FAILED
+        finally:
+            probe.running = False
+            for limiter in held:
+                limiter.release()
+            probe.answered.set()
+            if self._probing.get(probe.session_id) is probe:
+                del self._probing[probe.session_id]
+            stats = bound.statistics()
+            if stats.borrowed_tokens == 0 and stats.tasks_waiting == 0:
+                self._probe_hosts.pop(host, None)
 
     def reading(self, address: int, length: int) -> bool:
         """Whether a transfer this engine stopped waiting for may still read the range."""
