@@ -42,6 +42,7 @@ def test_a_port_in_use_fails_at_once_before_the_model_loads() -> None:
             _, stderr = process.communicate(timeout=60)
     assert process.returncode == 1, stderr
     assert "Address already in use" in stderr or "address already in use" in stderr, stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in stderr, stderr  # which address, and why
     assert "Traceback" not in stderr
     assert "model loaded" not in stderr
     # Bound before anything else: no engine started, no arena registered.

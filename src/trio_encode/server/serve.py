@@ -70,6 +70,10 @@ def _hypercorn_config(settings: ServerSettings) -> Config:
     # By the time hypercorn is asked to stop, every scope has ended, so a handler still
     # running is one finishing its answer: a few seconds is plenty.
     config.graceful_timeout = 5.0
+    # A burst of connections (a tokenizer's fan-out, or a scan) waits in the kernel's queue
+    # rather than being dropped into SYN retries a second later (hypercorn's default is 100;
+    # the kernel caps it at net.core.somaxconn).
+    config.backlog = 1024
     return config
 
 
@@ -77,7 +81,12 @@ def listen(settings: ServerSettings) -> Sockets:
     """The server's listening sockets, bound now: a port already in use fails here, with
     ``OSError`` (``Address already in use``), before any engine or memory is set up."""
     config = _hypercorn_config(settings)
-    sockets = config.create_sockets()
+    try:
+        sockets = config.create_sockets()
+    except OSError as exc:
+        raise OSError(
+            exc.errno, f"cannot listen on {config.bind[0]}: {exc.strerror} (--host, --port)"
+        ) from None
     try:
         for sock in sockets.insecure_sockets:
             sock.listen(config.backlog)
