@@ -182,7 +182,10 @@ class SinkHandler(logging.Handler):
                         target=self._write_queued, name="log-writer", daemon=True
                     )
                     self._writer.start()
-                self._wake.notify_all()
+                elif len(self._pending) == 1 and not self._writing:
+                    # Only an idle writer needs waking: a busy one takes this line with the
+                    # rest (a wake per line cost the event loop a thread hand-over per line).
+                    self._wake.notify_all()
 
     def handleError(self, record: logging.LogRecord) -> None:
         """Logging's report of a record that cannot be formatted goes to stderr: from the pump
