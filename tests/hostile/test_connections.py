@@ -24,6 +24,7 @@ from hostile.rig import (
     reset,
     withstand,
 )
+from trio_encode.server.serve import KEEP_ALIVE_SECONDS
 
 ANSWER_WITHIN = 10.0
 RSS_BOUND = 64 * MiB
@@ -148,7 +149,7 @@ async def test_thirty_rounds_of_every_connection_abuse(server: Server, honest: H
     check(results)
 
 
-IDLE_CLOSED_WITHIN = 15.0
+IDLE_CLOSED_WITHIN = KEEP_ALIVE_SECONDS + 10.0
 """Seconds an answered keep-alive connection may sit idle before the server closes it
 (hypercorn's ``keep_alive_timeout`` is 5 s by default)."""
 

@@ -58,6 +58,13 @@ class RunningServer:
         self._stop.set()
 
 
+KEEP_ALIVE_SECONDS = 75.0
+"""An idle keep-alive connection is closed after this long. Longer than the idle expiry of
+the clients that call an encoder (httpx's is 5 s): a server that closes first races a client
+reusing the connection, whose request then meets a reset. Bounded, so that clients holding
+connections they no longer use cannot keep every descriptor."""
+
+
 def _bind(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
@@ -74,6 +81,7 @@ def _hypercorn_config(settings: ServerSettings) -> Config:
     # rather than being dropped into SYN retries a second later (hypercorn's default is 100;
     # the kernel caps it at net.core.somaxconn).
     config.backlog = 1024
+    config.keep_alive_timeout = KEEP_ALIVE_SECONDS
     return config
 
 
