@@ -9,21 +9,18 @@ one and ``rank-0.cluster`` in the other is one host, and refusing it (403
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 
 import pytest
 import trio
 import trio.testing
 
-from support.lifecycle_rig import SeededEncoder, make_embedding
+from support.lifecycle_rig import Landing, SeededEncoder, landing_on, make_embedding
 from trio_encode.errors import ReceiverHostMismatch
 from trio_encode.receivers import receiver_host, same_host
-from trio_encode.request_types import Receiver
 from trio_encode.service import EncodeService, ServiceSettings
-from trio_encode.testing.memory_engine import InMemoryEngine, InMemoryFabric
+from trio_encode.testing.memory_engine import InMemoryFabric
 
 SAME = [
     ("rank-0.cluster", "rank-0.cluster"),
@@ -69,28 +66,15 @@ def test_a_session_id_s_host_keeps_its_case_and_dot_for_the_comparison() -> None
     assert receiver_host("[FD00::5]:15123") == "FD00::5"
 
 
-@dataclass
-class Rank:
-    engine: InMemoryEngine
-    buffer: ctypes.Array[ctypes.c_char]
-
-    @property
-    def receiver(self) -> Receiver:
-        return Receiver(self.engine.session_id, ctypes.addressof(self.buffer))
-
-
 @asynccontextmanager
-async def ranks_named(*names: str) -> AsyncIterator[tuple[EncodeService, dict[str, Rank]]]:
+async def ranks_named(*names: str) -> AsyncIterator[tuple[EncodeService, dict[str, Landing]]]:
     """A service on the in-memory fabric, and a registered landing buffer on an engine whose
     session id is ``{name}:{port}`` for each name."""
     fabric = InMemoryFabric()
     sender = fabric.engine("encoder")
-    ranks: dict[str, Rank] = {}
+    ranks: dict[str, Landing] = {}
     for name in names:
-        engine = fabric.engine(name)
-        buffer = (ctypes.c_char * (1 << 16))()
-        await engine.register(ctypes.addressof(buffer), len(buffer))
-        ranks[name] = Rank(engine, buffer)
+        ranks[name] = await landing_on(fabric, name)
     with trio.fail_after(600):
         async with EncodeService.running(
             engine=sender, encoder=SeededEncoder(), settings=ServiceSettings()
@@ -115,7 +99,7 @@ async def test_a_receiver_named_in_another_case_or_with_a_trailing_dot_is_served
             assert not report.repeat
         expected = bytes(make_embedding(len(b"img:a")).tensor.numpy().tobytes())
         for rank in ranks.values():
-            assert bytes(rank.buffer)[: len(expected)] == expected
+            assert rank.landed(len(expected)) == expected
         await scope.wait_ended()
         assert scope.end_reason == "completed"
 
@@ -137,4 +121,4 @@ async def test_a_receiver_on_another_host_is_refused(
         rank = ranks[receiver_name]
         with pytest.raises(ReceiverHostMismatch, match="is not this request's prefill_host"):
             await service.send("r", rank.receiver)
-        assert bytes(rank.buffer) == bytes(len(rank.buffer)), "nothing landed"
+        assert rank.landed() == bytes(rank.buffer.numel()), "nothing landed"

@@ -8,7 +8,6 @@ real :class:`CompletionPusher` on loopback (on the real clock when a peer must c
 
 from __future__ import annotations
 
-import ctypes
 import re
 import socket
 import time
@@ -22,7 +21,13 @@ import trio
 import trio.testing
 import zmq
 
-from support.lifecycle_rig import RecordingObserver, SeededEncoder, make_embedding
+from support.lifecycle_rig import (
+    Landing,
+    RecordingObserver,
+    SeededEncoder,
+    landing_on,
+    make_embedding,
+)
 from support.sglang_pickle import EmbeddingData, safe_loads
 from test_completion_notices import ScriptedPusher
 from trio_encode.completion import CompletionPusher, Endpoint, Pusher
@@ -38,7 +43,6 @@ from trio_encode.errors import (
     ScopeExpired,
     UnknownRequest,
 )
-from trio_encode.request_types import Receiver
 from trio_encode.service import MAX_ENDPOINTS, EncodeService, Notify, Part, ServiceSettings
 from trio_encode.testing.memory_engine import InMemoryEngine, InMemoryFabric
 
@@ -71,20 +75,10 @@ class Encoder(SeededEncoder):
 
 
 @dataclass
-class Rank:
-    engine: InMemoryEngine
-    buffer: ctypes.Array[ctypes.c_char]
-
-    @property
-    def receiver(self) -> Receiver:
-        return Receiver(self.engine.session_id, ctypes.addressof(self.buffer))
-
-
-@dataclass
 class World:
     service: EncodeService
     sender: InMemoryEngine
-    ranks: list[Rank]
+    ranks: list[Landing]
     observer: RecordingObserver
     fabric: InMemoryFabric
 
@@ -97,10 +91,7 @@ async def world(
     sender = fabric.engine("encoder")
     ranks = []
     for i in range(4):
-        engine = fabric.engine(f"rank{i}")
-        buffer = (ctypes.c_char * (1 << 16))()
-        await engine.register(ctypes.addressof(buffer), len(buffer))
-        ranks.append(Rank(engine, buffer))
+        ranks.append(await landing_on(fabric, f"rank{i}"))
     observer = RecordingObserver()
     with trio.fail_after(3600):
         async with EncodeService.running(
@@ -445,7 +436,7 @@ async def test_a_send_whose_rank_is_gone_is_a_502_naming_it_with_the_bytes_lande
         assert failed.value.status == 502
         assert failed.value.req_id == "r1"
         expected = bytes(make_embedding(len(b"img:a")).tensor.numpy().tobytes())
-        assert bytes(w.ranks[0].buffer)[: len(expected)] == expected
+        assert w.ranks[0].landed(len(expected)) == expected
         await settle()
         assert (pusher.sent, pusher.failed) == (0, 1)
     assert w.observer.names("completion_pushed") == [("done", False)]

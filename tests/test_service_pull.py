@@ -7,7 +7,6 @@ id, then by the scope's deadline) and a pull that goes away leaves nothing behin
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -16,7 +15,7 @@ import pytest
 import trio
 import trio.testing
 
-from support.lifecycle_rig import SeededEncoder, make_embedding
+from support.lifecycle_rig import Landing, SeededEncoder, landing_on, make_embedding
 from trio_encode.embedding import Embedding
 from trio_encode.errors import (
     EncodeFailed,
@@ -26,7 +25,7 @@ from trio_encode.errors import (
     ScopeExpired,
     ShuttingDown,
 )
-from trio_encode.request_types import Receiver, SendReport
+from trio_encode.request_types import SendReport
 from trio_encode.service import EncodeReport, EncodeService, ServiceSettings
 from trio_encode.testing.memory_engine import InMemoryEngine, InMemoryFabric
 
@@ -50,20 +49,10 @@ class ScriptedEncoder(SeededEncoder):
 
 
 @dataclass
-class Rank:
-    engine: InMemoryEngine
-    buffer: ctypes.Array[ctypes.c_char]
-
-    @property
-    def receiver(self) -> Receiver:
-        return Receiver(self.engine.session_id, ctypes.addressof(self.buffer))
-
-
-@dataclass
 class World:
     service: EncodeService
     sender: InMemoryEngine
-    ranks: list[Rank]
+    ranks: list[Landing]
     fabric: InMemoryFabric
 
     async def assert_nothing_held(self) -> None:
@@ -81,10 +70,7 @@ async def world(**settings: float) -> AsyncIterator[World]:
     sender = fabric.engine("encoder")
     ranks = []
     for i in range(TP):
-        engine = fabric.engine(f"rank{i}")
-        buffer = (ctypes.c_char * (1 << 16))()
-        await engine.register(ctypes.addressof(buffer), len(buffer))
-        ranks.append(Rank(engine, buffer))
+        ranks.append(await landing_on(fabric, f"rank{i}"))
     with trio.fail_after(3600):
         async with EncodeService.running(
             engine=sender, encoder=ScriptedEncoder(), settings=ServiceSettings(**settings)
@@ -108,7 +94,7 @@ async def test_pulls_before_the_encode_wait_for_it_then_every_rank_sends(
         pulled: list[object] = []
         sent: list[object] = []
 
-        async def rank(r: Rank) -> None:
+        async def rank(r: Landing) -> None:
             pulled.append(await _outcome(w.service.pull("r1")))
             sent.append(await _outcome(w.service.send("r1", r.receiver, receive_count=TP)))
 
@@ -125,7 +111,7 @@ async def test_pulls_before_the_encode_wait_for_it_then_every_rank_sends(
         assert all(isinstance(s, SendReport) and s.receive_count == TP for s in sent), sent
         expected = bytes(make_embedding(len(b"img:aimg:b")).tensor.numpy().tobytes())
         for r in w.ranks:
-            assert bytes(r.buffer)[: len(expected)] == expected
+            assert r.landed(len(expected)) == expected
         await w.assert_nothing_held()
 
 

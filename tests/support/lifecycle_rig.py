@@ -120,8 +120,17 @@ class Landing:
     def receiver(self) -> Receiver:
         return Receiver(self.engine.session_id, int(self.buffer.data_ptr()))
 
-    def landed(self, nbytes: int) -> bytes:
+    def landed(self, nbytes: int | None = None) -> bytes:
+        """The first ``nbytes`` of the buffer (all of it by default)."""
         return bytes(self.buffer[:nbytes].numpy().tobytes())
+
+
+async def landing_on(fabric: InMemoryFabric, name: str | None, nbytes: int = 1 << 16) -> Landing:
+    """A receiver on ``fabric``: an engine named ``name`` and a zeroed, registered buffer."""
+    engine = fabric.engine(name)
+    buffer = torch.zeros(nbytes, dtype=torch.uint8)
+    await engine.register(int(buffer.data_ptr()), nbytes)
+    return Landing(engine, buffer)
 
 
 @dataclass
@@ -162,10 +171,7 @@ class Rig:
     expected: dict[str, bytes] = field(default_factory=dict)
 
     async def landing(self, nbytes: int = 64 * 32 * 4, name: str | None = None) -> Landing:
-        engine = self.fabric.engine(name)
-        buffer = torch.zeros(nbytes, dtype=torch.uint8)
-        await engine.register(int(buffer.data_ptr()), nbytes)
-        return Landing(engine, buffer)
+        return await landing_on(self.fabric, name, nbytes)
 
     async def landings(self, count: int, nbytes: int = 64 * 32 * 4) -> list[Landing]:
         return [await self.landing(nbytes, name=f"rank{i}") for i in range(count)]
