@@ -249,10 +249,13 @@ MUTANTS: dict[str, Mutant] = {
         (FAULTS + "test_a_served_receiver_that_retries_after_completion_gets_its_answer_again",),
     ),
     "the tombstone limit forgets the newest ended request": Mutant(
-        "scopes.py",
-        "            self._released.popitem(last=False)",
-        "            self._released.popitem(last=True)",
-        ("tests/test_scope_holds.py::test_the_tombstone_limit_forgets_the_oldest_ended_request",),
+        "recent.py",
+        "            self._entries.popitem(last=False)",
+        "            self._entries.popitem(last=True)",
+        (
+            "tests/test_scope_holds.py::test_the_tombstone_limit_forgets_the_oldest_ended_request",
+            "tests/test_recent.py::test_the_oldest_entry_goes_first_past_the_limit",
+        ),
     ),
     "a failover sends into the slot the first encoder may still write (failure 21)": Mutant(
         "client/fleet.py",

@@ -11,7 +11,6 @@ exception, a frame or an embedding.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import trio
@@ -20,6 +19,7 @@ from trio_encode.engine import TransferEngine
 from trio_encode.errors import RequestReleased, ShuttingDown, UnknownRequest
 from trio_encode.ledger import RegistrationLedger
 from trio_encode.observer import LifecycleObserver, NullObserver
+from trio_encode.recent import Recent
 from trio_encode.request_types import EmbeddingShape, Encode, EndReason, Receiver, SendReport
 from trio_encode.scope import Failure, RequestScope, ScopeParts
 
@@ -31,7 +31,6 @@ _FORGOTTEN: frozenset[EndReason] = frozenset({"invalid_input", "refused"})
 class _Tombstone:
     reason: EndReason
     failure: Failure | None
-    at: float
     shape: EmbeddingShape | None
     done: frozenset[Receiver]
     """Receivers whose bytes landed (at most ``receive_count`` of them)."""
@@ -58,9 +57,7 @@ class ScopeRegistry:
         self._parts = ScopeParts(engine, ledger, observer or NullObserver())
         self.send_timeout = send_timeout
         self._scopes: dict[str, RequestScope] = {}
-        self._released: OrderedDict[str, _Tombstone] = OrderedDict()
-        self._remember_released = remember_released
-        self._remember_seconds = remember_seconds
+        self._released: Recent[str, _Tombstone] = Recent(remember_released, remember_seconds)
         self.closed = False
         """Set at shutdown: no new scope opens."""
 
@@ -125,7 +122,7 @@ class ScopeRegistry:
     def repeat_send(self, req_id: str, receiver: Receiver) -> SendReport | None:
         """The answer again for a receiver of a completed request that already got its bytes
         (its first 200 was lost); None if that is not the case."""
-        tomb = self._live_tombstone(req_id)
+        tomb = self._released.get(req_id)
         if tomb is None:
             return None
         return SendReport.again(receiver, tomb.shape, tomb.done, tomb.receive_count)
@@ -143,33 +140,19 @@ class ScopeRegistry:
 
     def _remember(self, scope: RequestScope) -> None:
         assert scope.end_reason is not None
-        now = trio.current_time()
-        self._released[scope.req_id] = _Tombstone(
-            scope.end_reason,
-            scope.failure,
-            now,
-            scope.shape,
-            scope.done_receivers,
-            scope.receive_count,
+        self._released.remember(
+            scope.req_id,
+            _Tombstone(
+                scope.end_reason,
+                scope.failure,
+                scope.shape,
+                scope.done_receivers,
+                scope.receive_count,
+            ),
         )
-        self._released.move_to_end(scope.req_id)
-        while self._released:
-            oldest = next(iter(self._released.values()))
-            if (
-                len(self._released) <= self._remember_released
-                and now - oldest.at <= self._remember_seconds
-            ):
-                break
-            self._released.popitem(last=False)
-
-    def _live_tombstone(self, req_id: str) -> _Tombstone | None:
-        tomb = self._released.get(req_id)
-        if tomb is None or trio.current_time() - tomb.at > self._remember_seconds:
-            return None
-        return tomb
 
     def _raise_if_released(self, req_id: str) -> None:
-        tomb = self._live_tombstone(req_id)
+        tomb = self._released.get(req_id)
         if tomb is None:
             return
         if tomb.failure is not None:

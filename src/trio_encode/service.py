@@ -13,7 +13,6 @@ import logging
 import math
 import re
 import weakref
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -44,6 +43,7 @@ from trio_encode.errors import (
 from trio_encode.ledger import Lease, RegistrationLedger
 from trio_encode.observer import LifecycleObserver, NullObserver, TaskFaults
 from trio_encode.receivers import receiver_host, same_host
+from trio_encode.recent import Recent
 from trio_encode.request_types import (
     EmbeddingMemory,
     EmbeddingShape,
@@ -213,7 +213,6 @@ class Notify:
 
 
 _PART_ID = re.compile(r"^(.*)_local_part_([0-9]+)$")
-_FAMILY = "parts of\0"  # keys of failed families, apart from req_ids
 
 
 def _part_of(req_id: str) -> tuple[str, int] | None:
@@ -231,7 +230,7 @@ def _family_of(req_id: str) -> str | None:
 
 
 REMEMBER_FAILURES = 10_000
-"""Failed requests (and families of parts) remembered for their late pulls, at most."""
+"""Failed requests remembered for their late pulls, at most; as many families of parts."""
 REMEMBER_ENDED = 1024
 """Ended requests whose bound endpoints are remembered (for ``pull_timeout``), so that a late
 ``/send``'s error still reaches its rank; at most ``REMEMBER_ENDED * MAX_ENDPOINTS``
@@ -325,12 +324,16 @@ class EncodeService:
         """Live requests opened through :meth:`encode`, by req_id."""
         self._families: dict[str, dict[str, _Request]] = {}
         """Live requests whose id names a part, by the id of the request they are parts of."""
-        self._ended: OrderedDict[str, tuple[_Request, float]] = OrderedDict()
-        """Recently ended requests (and refused ones that named endpoints), with when."""
-        self._failures: OrderedDict[str, tuple[Failure, float]] = OrderedDict()
-        """Recent failures by req_id (or part family), with when. A pull arriving after its
-        request failed gets the failure at once, also where the scope left no tombstone (bad
-        input, after which a corrected /encode may reuse the id and clears the entry)."""
+        window = self._pull_timeout
+        self._ended: Recent[str, _Request] = Recent(REMEMBER_ENDED, window)
+        """Recently ended requests (and refused ones that named endpoints)."""
+        self._failures: Recent[str, Failure] = Recent(REMEMBER_FAILURES, window)
+        """Recent failures by req_id. A pull arriving after its request failed gets the
+        failure at once, also where the scope left no tombstone (bad input, after which a
+        corrected /encode may reuse the id and clears the entry)."""
+        self._family_failures: Recent[str, Failure] = Recent(REMEMBER_FAILURES, window)
+        """Recent failures of part families (by the id of the request they are parts of):
+        what each sibling part of a failed part gets."""
 
     @classmethod
     @asynccontextmanager
@@ -497,7 +500,7 @@ class EncodeService:
         self._nursery.start_soon(self.faults.contain, "watcher", self._watch, scope, record, taken)
         if prefill_host is not None and self.settings.receivers_match_prefill_host:
             self._prefill_hosts[scope] = prefill_host
-        self._failures.pop(req_id, None)  # a corrected retry of a bad request
+        self._failures.forget(req_id)  # a corrected retry of a bad request
         self.arrivals.announce(req_id)
         shape = await scope.wait_encoded()
         return EncodeReport(shape, scope.receive_count)
@@ -539,28 +542,17 @@ class EncodeService:
             if not members:
                 del self._families[family]
 
+    def _pull_timeout(self) -> float:
+        return self.settings.pull_timeout
+
     def _remember_ended(self, record: _Request) -> None:
         """Keep an ended request's endpoints for its late sends' errors (bounded)."""
-        if not record.endpoints:
-            return
-        now = trio.current_time()
-        self._ended[record.req_id] = (record, now)
-        self._ended.move_to_end(record.req_id)
-        while self._ended:
-            _, at = next(iter(self._ended.values()))
-            if len(self._ended) <= REMEMBER_ENDED and now - at <= self.settings.pull_timeout:
-                break
-            self._ended.popitem(last=False)
+        if record.endpoints:
+            self._ended.remember(record.req_id, record)
 
     def _record(self, req_id: str) -> _Request | None:
         """The request's record: live, or ended within ``pull_timeout`` (and remembered)."""
-        record = self._requests.get(req_id)
-        if record is not None:
-            return record
-        entry = self._ended.get(req_id)
-        if entry is None or trio.current_time() - entry[1] > self.settings.pull_timeout:
-            return None
-        return entry[0]
+        return self._requests.get(req_id) or self._ended.get(req_id)
 
     async def _watch(
         self, scope: RequestScope, record: _Request, taken: list[tuple[int, int]]
@@ -590,15 +582,15 @@ class EncodeService:
         family, found through their indexes): the work is theirs, never the number of parts
         a client claims. A family already failed has had its siblings ended once."""
         req_id, part = record.req_id, record.part
-        self._remember_failure(req_id, failure)
+        self._failures.remember(req_id, failure)
         self._tell(record, failure)
         family = Part.family(req_id, part)
-        if family is None or self._recent_failure(_FAMILY + family) is not None:
+        if family is None or self._family_failures.get(family) is not None:
             return
         sibling_failure = Failure(
             failure.error_type, f"part {part.part_idx} of this request failed: {failure.message}"
         )
-        self._remember_failure(_FAMILY + family, sibling_failure)
+        self._family_failures.remember(family, sibling_failure)
         for sibling in self._siblings(family, req_id, part, list(self._families.get(family, ()))):
             scope = self.registry.live(sibling)
             if scope is not None:
@@ -619,25 +611,9 @@ class EncodeService:
                 siblings.append(other)
         return siblings
 
-    def _remember_failure(self, key: str, failure: Failure) -> None:
-        now = trio.current_time()
-        self._failures[key] = (failure, now)
-        self._failures.move_to_end(key)
-        while self._failures:
-            _, at = next(iter(self._failures.values()))
-            if len(self._failures) <= REMEMBER_FAILURES and now - at <= self.settings.pull_timeout:
-                break
-            self._failures.popitem(last=False)
-
-    def _recent_failure(self, key: str) -> Failure | None:
-        entry = self._failures.get(key)
-        if entry is None or trio.current_time() - entry[1] > self.settings.pull_timeout:
-            return None
-        return entry[0]
-
     def _raise_if_failed(self, req_id: str, part: Part | None = None) -> None:
         """A call for a request that failed recently (no live scope) gets its error now."""
-        own = self._recent_failure(req_id)
+        own = self._failures.get(req_id)
         if own is not None:
             raise own.error(req_id)
         self._raise_if_family_failed(req_id, part)
@@ -646,7 +622,7 @@ class EncodeService:
         match = _PART_ID.match(req_id)
         if match is None or (part is not None and Part.family(req_id, part) is None):
             return
-        sibling = self._recent_failure(_FAMILY + match.group(1))
+        sibling = self._family_failures.get(match.group(1))
         if sibling is not None:
             raise sibling.error(req_id)
 
