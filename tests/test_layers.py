@@ -38,7 +38,7 @@ LAYERS: tuple[frozenset[str], ...] = tuple(
         "arena",
         "errors",
         "engine",  # the transfer engine interface and Mooncake
-        "request_types observer declare sizes addresses __version__",
+        "request_types observer declare sizes addresses recent __version__",
     )
 )
 """Highest first. A unit is a top-level module or subpackage of ``trio_encode``."""
