@@ -243,10 +243,14 @@ MUTANTS: dict[str, Mutant] = {
         ),
     ),
     "a served rank's lost answer becomes a 410 (failure 18)": Mutant(
-        "scopes.py",
-        "        if tomb is None:\n            return None\n        return SendReport.again(",
-        "        if True:\n            return None\n        return SendReport.again(",
-        (FAULTS + "test_a_served_receiver_that_retries_after_completion_gets_its_answer_again",),
+        "ending.py",
+        "            if again is not None:\n                return again\n",
+        "            if False:\n                return again\n",
+        (
+            FAULTS + "test_a_served_receiver_that_retries_after_completion_gets_its_answer_again",
+            "tests/test_ending.py::"
+            "test_a_served_receiver_gets_its_answer_again_and_any_other_the_end",
+        ),
     ),
     "the tombstone limit forgets the newest ended request": Mutant(
         "recent.py",

@@ -173,6 +173,6 @@ async def test_over_http_a_mix_over_the_budget_is_a_400_that_leaves_nothing(
         assert decodes.model == 2, "only the request that fits was decoded"
         assert web.requests == [("/big.png", f"127.0.0.1:{web.port}")]
         service = harness.running.service
-        assert service.registry.find_live("mix") is not None
+        assert service.registry.live("mix") is not None
         await service.shutdown()
         await harness.settled()

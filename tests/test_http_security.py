@@ -322,7 +322,7 @@ async def test_many_copies_of_one_cached_image_are_sent_as_they_lie(
     ):
         encoded = await harness.client.encode("copies", [image] * 64, receive_count=1)
         assert encoded.embedding_size == 64 * ROW
-        scope = harness.running.service.registry.find_live("copies")
+        scope = harness.running.service.registry.live("copies")
         assert scope is not None
         assert scope._embedding is not None
         segments = list(scope._embedding.segments)
@@ -520,7 +520,7 @@ async def test_an_engine_write_into_a_registered_cached_row_is_never_served(
         held = await harness.client.encode("held", [image], receive_count=2)
         first = pool.allocate(ROW)
         await harness.client.send("held", pool.session_id, first.address)
-        scope = harness.running.service.registry.find_live("held")
+        scope = harness.running.service.registry.live("held")
         assert scope is not None
         assert scope._embedding is not None
         ((address, nbytes),) = scope._embedding.segments

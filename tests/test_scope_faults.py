@@ -20,6 +20,7 @@ import trio.testing
 
 from support.lifecycle_rig import SeededEncoder, lifecycle_rig, make_embedding
 from trio_encode.embedding import Embedding, checksum_of
+from trio_encode.ending import late_call
 from trio_encode.engine import INVALID_ADDRESS, TRANSFER_FAILED, EngineError
 from trio_encode.engine.threads import ThreadSettings
 from trio_encode.errors import (
@@ -345,7 +346,7 @@ async def test_invalid_input_from_the_encoder_is_not_remembered(
     """Bad input leaves nothing behind either (unchanged by the tombstone rework)."""
     async with lifecycle_rig() as rig:
         await rig.open_bad_input("bad")
-        assert rig.registry.find_live("bad") is None
+        assert rig.registry.live("bad") is None
 
 
 async def test_a_frozen_rank_parks_only_its_own_sends(
@@ -492,12 +493,13 @@ async def test_a_served_receiver_that_retries_after_completion_gets_its_answer_a
         await scope.wait_ended()
         transfers = rig.sender.count("transfer")
 
-        repeat = rig.registry.repeat_send("r1", a.receiver)
+        repeat = late_call("send", "r1", rig.registry.ended("r1"), receiver=a.receiver)
         assert repeat is not None
         assert repeat.repeat
         assert repeat.shape == first.shape
         assert (repeat.receivers_done, repeat.receive_count) == (2, 2)
-        assert rig.registry.repeat_send("r1", stranger.receiver) is None
+        with pytest.raises(RequestReleased):
+            late_call("send", "r1", rig.registry.ended("r1"), receiver=stranger.receiver)
         with pytest.raises(RequestReleased):
             rig.registry.require_live("r1")
         assert rig.sender.count("transfer") == transfers

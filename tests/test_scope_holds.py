@@ -88,7 +88,7 @@ async def test_a_scope_drops_the_image_bytes_once_the_encode_is_done(
     encoder = WatchedEncoder()
     async with EncodeService.running(engine=fabric.engine("encoder"), encoder=encoder) as service:
         await service.encode("r1", ["img:a"], receive_count=2)
-        assert service.registry.find_live("r1") is not None, "waiting for its two sends"
+        assert service.registry.live("r1") is not None, "waiting for its two sends"
         gc.collect()
         assert encoder.loaded[0]() is None, "the scope still holds the request's images"
         service.registry.require_live("r1").cancel()
@@ -108,7 +108,7 @@ async def test_an_encode_arriving_while_a_completed_scope_releases_gets_410(
         await service.send("r1", Receiver(rank.session_id, int(buffer.data_ptr())))
         await gate.wait_arrivals(1)  # complete, and releasing its registration
         try:
-            assert service.registry.find_live("r1") is not None
+            assert service.registry.live("r1") is not None
             with pytest.raises(RequestReleased):
                 await service.encode("r1", ["img:a"], receive_count=1)
             with pytest.raises(RequestReleased):

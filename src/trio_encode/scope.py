@@ -24,6 +24,7 @@ from typing import TypeVar
 
 import trio
 
+from trio_encode.ending import Ended, Failure, refusal
 from trio_encode.engine import EngineError, TransferEngine, Write
 from trio_encode.errors import (
     EncodeFailed,
@@ -31,9 +32,6 @@ from trio_encode.errors import (
     InvalidInput,
     ReceiveCountConflict,
     RequestError,
-    RequestReleased,
-    ScopeExpired,
-    ShuttingDown,
 )
 from trio_encode.ledger import Lease, PartialOverlap, RegistrationLedger
 from trio_encode.observer import LifecycleObserver
@@ -52,24 +50,6 @@ E = TypeVar("E", bound=Exception)
 
 DEFAULT_RECEIVE_COUNT = 1
 """The count a send fixes when none is known yet and it names none itself."""
-
-
-@dataclass(frozen=True)
-class Failure:
-    """A request error kept as its class and message, never as the exception: a raised
-    exception's traceback holds the frames (and the image bytes) that raised it, and one
-    exception object raised in several waiting tasks would collect all their tracebacks."""
-
-    error_type: type[RequestError]
-    message: str
-
-    @classmethod
-    def of(cls, error: RequestError) -> Failure:
-        return cls(type(error), error.message)
-
-    def error(self, req_id: str) -> RequestError:
-        """A fresh exception for one caller."""
-        return self.error_type(self.message, req_id=req_id)
 
 
 @dataclass(eq=False)
@@ -187,18 +167,21 @@ class RequestScope:
 
     def cancel(self) -> None:
         """End the scope now (server shutdown); running transfers still finish first."""
-        if self.end_reason is None:
-            self.end_reason = "shutdown"
+        self._end("shutdown")
         self._backstop.cancel()
 
     def abandon(self, failure: Failure) -> None:
         """End the scope now: its request failed elsewhere (a sibling part), so no receiver
         will come. Calls get ``failure``; running transfers still finish first."""
-        if self._failure is None:
-            self._failure = failure
-        if self.end_reason is None:
-            self.end_reason = "abandoned"
+        self._end("abandoned", failure)
         self._backstop.cancel()
+
+    def ended(self) -> Ended:
+        """How the request ended (or is ending), as its tombstone will keep it."""
+        reason = self.end_reason
+        if reason is None and trio.current_time() >= self.deadline:
+            reason = "expired"
+        return Ended(reason, self._failure, self.shape, frozenset(self._done), self.receive_count)
 
     async def wait_encoded(self) -> EmbeddingShape:
         """Wait for the one encoder run; every sibling gets the same answer or error.
@@ -296,17 +279,16 @@ class RequestScope:
         except Exception as exc:
             self._fail_unexpectedly(exc)
         finally:
-            if self.end_reason is None:
-                self.end_reason = "shutdown"
+            reason = self._end("shutdown")
             self._started.set()
             self._encoded.set()
             with trio.CancelScope(shield=True):
                 await self._release()
             seconds = trio.current_time() - opened_at
-            self._observer.scope_closed(self.req_id, self.end_reason, seconds)
+            self._observer.scope_closed(self.req_id, reason, seconds)
             log.info(
                 "scope closed: %s",
-                self.end_reason,
+                reason,
                 extra={
                     "req_id": self.req_id,
                     "duration_s": round(seconds, 6),
@@ -428,9 +410,18 @@ class RequestScope:
             raise
         return leases
 
-    def _finish(self, reason: EndReason) -> None:
+    def _end(self, reason: EndReason, failure: Failure | None = None) -> EndReason:
+        """The first end reason and the first failure win: whatever comes after (a shutdown
+        after a failure, the deadline after completion) never rewrites why a request ended.
+        Returns the reason that stands."""
+        if self._failure is None:
+            self._failure = failure
         if self.end_reason is None:
             self.end_reason = reason
+        return self.end_reason
+
+    def _finish(self, reason: EndReason) -> None:
+        self._end(reason)
         self._finished.set()
 
     def _fail_unexpectedly(self, exc: Exception) -> None:
@@ -438,10 +429,7 @@ class RequestScope:
         log.error(
             "request failed unexpectedly: %r", exc, exc_info=exc, extra={"req_id": self.req_id}
         )
-        if self._failure is None:
-            self._failure = Failure(InternalError, f"internal error: {type(exc).__name__}")
-        if self.end_reason is None:
-            self.end_reason = "failed"
+        self._end("failed", Failure(InternalError, f"internal error: {type(exc).__name__}"))
         self._finished.set()
 
     async def _release(self) -> None:
@@ -477,25 +465,7 @@ class RequestScope:
 
     def _why_not_served(self) -> RequestError:
         """The error for a call that the scope can no longer serve."""
-        if self._failure is not None:
-            return self._failure.error(self.req_id)
-        reason = self.end_reason
-        if reason is None and trio.current_time() >= self.deadline:
-            reason = "expired"
-        if reason == "expired":
-            expected = "an unknown number of" if self.receive_count is None else self.receive_count
-            return ScopeExpired(
-                f"the request's send_timeout expired with {len(self._done)} of "
-                f"{expected} receivers done",
-                req_id=self.req_id,
-            )
-        if reason == "completed":
-            return RequestReleased(
-                "the request is complete: all receivers have been sent to", req_id=self.req_id
-            )
-        if reason == "shutdown" or reason is None:
-            return ShuttingDown(req_id=self.req_id)
-        return RequestReleased(f"the request has ended ({reason})", req_id=self.req_id)
+        return refusal(self.req_id, self.ended())
 
 
 def _bare(error: E) -> E:

@@ -11,30 +11,21 @@ exception, a frame or an embedding.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import replace
 
 import trio
 
+from trio_encode.ending import Ended, late_call
 from trio_encode.engine import TransferEngine
-from trio_encode.errors import RequestReleased, ShuttingDown, UnknownRequest
+from trio_encode.errors import ShuttingDown, UnknownRequest
 from trio_encode.ledger import RegistrationLedger
 from trio_encode.observer import LifecycleObserver, NullObserver
 from trio_encode.recent import Recent
-from trio_encode.request_types import EmbeddingShape, Encode, EndReason, Receiver, SendReport
-from trio_encode.scope import Failure, RequestScope, ScopeParts
+from trio_encode.request_types import Encode, EndReason
+from trio_encode.scope import RequestScope, ScopeParts
 
 # Ends that leave no tombstone: the same req_id may be tried again at once.
 _FORGOTTEN: frozenset[EndReason] = frozenset({"invalid_input", "refused"})
-
-
-@dataclass(frozen=True)
-class _Tombstone:
-    reason: EndReason
-    failure: Failure | None
-    shape: EmbeddingShape | None
-    done: frozenset[Receiver]
-    """Receivers whose bytes landed (at most ``receive_count`` of them)."""
-    receive_count: int | None
 
 
 class ScopeRegistry:
@@ -57,7 +48,8 @@ class ScopeRegistry:
         self._parts = ScopeParts(engine, ledger, observer or NullObserver())
         self.send_timeout = send_timeout
         self._scopes: dict[str, RequestScope] = {}
-        self._released: Recent[str, _Tombstone] = Recent(remember_released, remember_seconds)
+        self._released: Recent[str, Ended] = Recent(remember_released, remember_seconds)
+        """Tombstones: how each request that ended lately ended."""
         self.closed = False
         """Set at shutdown: no new scope opens."""
 
@@ -79,11 +71,11 @@ class ScopeRegistry:
         The start is shielded: a caller whose client has gone away (a cancellation pending
         from its own wait) must not hand that cancellation to a scope its siblings share.
         """
-        scope = self.find_live(req_id)
+        scope = self._scopes.get(req_id)
         if scope is not None:
             scope.check_receive_count(receive_count)
             return scope
-        self.refuse_if_closed(req_id)
+        late_call("encode", req_id, self.ended(req_id), closed=self.closed)
         scope = RequestScope(
             req_id,
             self._parts,
@@ -96,36 +88,25 @@ class ScopeRegistry:
             await self._nursery.start(self._run_scope, scope)
         return scope
 
-    def find_live(self, req_id: str) -> RequestScope | None:
-        """The live scope for ``req_id``; None if there is none; raises 410 (or the request's
-        own error) if it has ended."""
-        scope = self._scopes.get(req_id)
-        if scope is None:
-            self._raise_if_released(req_id)
-        return scope
-
     def live(self, req_id: str) -> RequestScope | None:
         """The live scope for ``req_id``, or None (ended or never seen)."""
         return self._scopes.get(req_id)
 
+    def ended(self, req_id: str) -> Ended | None:
+        """How ``req_id`` ended, if it ended lately (its tombstone); None if it is live,
+        never seen, left no tombstone (bad input, a refusal) or ended too long ago."""
+        return self._released.get(req_id)
+
     def require_live(self, req_id: str) -> RequestScope:
-        """The live scope for ``req_id``; raises 404 if never seen, 410 (or its error) if
-        ended."""
-        scope = self.find_live(req_id)
+        """The live scope for ``req_id``; raises what a late call gets if it ended, else 404."""
+        scope = self._scopes.get(req_id)
         if scope is not None:
             return scope
+        late_call("send", req_id, self.ended(req_id))
         raise UnknownRequest(
             "no /encode has named this req_id here (or it ended too long ago to remember)",
             req_id=req_id,
         )
-
-    def repeat_send(self, req_id: str, receiver: Receiver) -> SendReport | None:
-        """The answer again for a receiver of a completed request that already got its bytes
-        (its first 200 was lost); None if that is not the case."""
-        tomb = self._released.get(req_id)
-        if tomb is None:
-            return None
-        return SendReport.again(receiver, tomb.shape, tomb.done, tomb.receive_count)
 
     async def _run_scope(
         self, scope: RequestScope, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
@@ -139,24 +120,4 @@ class ScopeRegistry:
                 self._remember(scope)
 
     def _remember(self, scope: RequestScope) -> None:
-        assert scope.end_reason is not None
-        self._released.remember(
-            scope.req_id,
-            _Tombstone(
-                scope.end_reason,
-                scope.failure,
-                scope.shape,
-                scope.done_receivers,
-                scope.receive_count,
-            ),
-        )
-
-    def _raise_if_released(self, req_id: str) -> None:
-        tomb = self._released.get(req_id)
-        if tomb is None:
-            return
-        if tomb.failure is not None:
-            raise tomb.failure.error(req_id)
-        raise RequestReleased(
-            f"this req_id's scope has already been released ({tomb.reason})", req_id=req_id
-        )
+        self._released.remember(scope.req_id, replace(scope.ended(), gone=True))

@@ -31,6 +31,7 @@ from trio_encode.completion import (
     Pusher,
 )
 from trio_encode.declare import SETTINGS, in_group
+from trio_encode.ending import Call, Failure, late_call
 from trio_encode.engine import EngineError, TransferEngine
 from trio_encode.errors import (
     CompletionFailed,
@@ -52,7 +53,7 @@ from trio_encode.request_types import (
     SendReport,
     grid_dim,
 )
-from trio_encode.scope import Failure, RequestScope
+from trio_encode.scope import RequestScope
 from trio_encode.scopes import ScopeRegistry
 from trio_encode.sizes import ByteSize, GiB
 
@@ -439,10 +440,9 @@ class EncodeService:
         part = part or Part()
         named = dict.fromkeys(part.endpoints, client or UNKNOWN_CLIENT)
         self._check_room(req_id, {}, named)
-        scope = self.registry.find_live(req_id)
+        scope = self.registry.live(req_id)
         if scope is None:
-            self.registry.refuse_if_closed(req_id)
-            self._raise_if_family_failed(req_id, part)
+            self._late("encode", req_id, part=part)
             self._admit(req_id)
             # Check the input before a scope exists: bad input must leave nothing behind.
             try:
@@ -611,20 +611,29 @@ class EncodeService:
                 siblings.append(other)
         return siblings
 
-    def _raise_if_failed(self, req_id: str, part: Part | None = None) -> None:
-        """A call for a request that failed recently (no live scope) gets its error now."""
-        own = self._failures.get(req_id)
-        if own is not None:
-            raise own.error(req_id)
-        self._raise_if_family_failed(req_id, part)
-
-    def _raise_if_family_failed(self, req_id: str, part: Part | None) -> None:
+    def _late(
+        self,
+        call: Call,
+        req_id: str,
+        *,
+        part: Part | None = None,
+        receiver: Receiver | None = None,
+    ) -> SendReport | None:
+        """What ``call`` gets for ``req_id`` with no live scope (:func:`late_call` decides):
+        raises its error, returns a served receiver's answer again, or None to go on."""
+        family = None
         match = _PART_ID.match(req_id)
-        if match is None or (part is not None and Part.family(req_id, part) is None):
-            return
-        sibling = self._family_failures.get(match.group(1))
-        if sibling is not None:
-            raise sibling.error(req_id)
+        if match is not None and (part is None or Part.family(req_id, part) is not None):
+            family = self._family_failures.get(match.group(1))
+        return late_call(
+            call,
+            req_id,
+            self.registry.ended(req_id),
+            failure=self._failures.get(req_id),
+            family_failure=family,
+            receiver=receiver,
+            closed=self.registry.closed and call != "send",
+        )
 
     def _tell(
         self,
@@ -668,10 +677,9 @@ class EncodeService:
         A pull may come before any ``/encode`` names the id: it then waits for one up to
         ``pull_timeout``. Once the scope exists, the scope's own deadline bounds the wait.
         """
-        scope = self.registry.find_live(req_id)
+        scope = self.registry.live(req_id)
         if scope is None:
-            self.registry.refuse_if_closed(req_id)
-            self._raise_if_failed(req_id)
+            self._late("pull", req_id)
             with trio.move_on_after(self.settings.pull_timeout) as waited:
                 await self.arrivals.wait(req_id)
             if waited.cancelled_caught:
@@ -679,10 +687,10 @@ class EncodeService:
                     f"no /encode named this req_id within {self.settings.pull_timeout:g} s",
                     req_id=req_id,
                 )
-            scope = self.registry.find_live(req_id)
-            if scope is None:  # woken by shutdown, not by an /encode
-                self.registry.refuse_if_closed(req_id)
-            scope = scope or self.registry.require_live(req_id)
+            scope = self.registry.live(req_id)
+            if scope is None:  # woken by shutdown or a failure, not by an /encode
+                self._late("pull", req_id)
+                scope = self.registry.require_live(req_id)
         scope.check_receive_count(receive_count)
         shape = await scope.wait_encoded()
         return EncodeReport(shape, scope.receive_count)
@@ -715,15 +723,14 @@ class EncodeService:
         (and ``receivers_match_prefill_host`` is on); which hosts may receive at all is the HTTP
         layer's check (``allowed_receivers``), where session ids from outside come in.
         """
-        repeat = self.registry.repeat_send(req_id, receiver)
-        if repeat is not None:
-            return repeat
         client = client or UNKNOWN_CLIENT
         record = self._requests.get(req_id)  # taken now: the scope may end before the push
         try:
-            scope = self.registry.find_live(req_id)
+            scope = self.registry.live(req_id)
             if scope is None:
-                self._raise_if_failed(req_id)
+                repeat = self._late("send", req_id, receiver=receiver)
+                if repeat is not None:
+                    return repeat
                 scope = self.registry.require_live(req_id)
             self._check_prefill_host(scope, receiver)
             scope.check_receive_count(receive_count)
