@@ -220,7 +220,7 @@ MUTANTS: dict[str, Mutant] = {
         (FAULTS + "test_a_transient_refusal_leaves_nothing_behind",),
     ),
     "a second shutdown request restarts the grace (failure 15)": Mutant(
-        "service.py",
+        "service/core.py",
         "        if self.registry.closed:\n            self.end_grace()",
         "        if self.shutdown_report is not None:\n            return self.shutdown_report\n"
         "        if False:\n            self.end_grace()",
@@ -382,7 +382,7 @@ MUTANTS: dict[str, Mutant] = {
         ),
     ),
     "a failure pushed to an endpoint its request never bound (hostile)": Mutant(
-        "service.py",
+        "service/core.py",
         "        elif only in record.endpoints and only not in record.told:",
         "        elif only not in record.told:",
         (
@@ -390,7 +390,7 @@ MUTANTS: dict[str, Mutant] = {
         ),
     ),
     "endpoints uncapped across joins (hostile)": Mutant(
-        "service.py",
+        "service/core.py",
         "        if len(named) <= MAX_ENDPOINTS - len(bound):\n            return",
         "        if True:\n            return",
         ("tests/test_service_completion.py::test_joins_cannot_bind_more_endpoints_than_the_cap",),

@@ -1,27 +1,17 @@
-"""The encode service: owns the service nursery, the scope registry, the encoder and the engine.
-
-The HTTP layer calls :meth:`EncodeService.encode`, :meth:`EncodeService.pull` and
-:meth:`EncodeService.send` and maps what
-they return or raise; it never touches a scope's internals or a transfer. The service nursery is
-opened by :func:`EncodeService.running` around the whole server's life, so request scopes
-outlive the handlers that create them and end only by their own rules, or at shutdown.
-"""
+"""The encode service itself: admission, the one encode per request, pulls, sends, what a
+request's failure ends and tells, and shutdown. See :mod:`trio_encode.service`."""
 
 from __future__ import annotations
 
 import logging
 import math
-import re
 import weakref
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass
 
 import trio
-from pydantic.dataclasses import dataclass as pydantic_dataclass
 
-from trio_encode.arena import Arena
 from trio_encode.arrivals import Arrivals
 from trio_encode.completion import (
     CompletionMessage,
@@ -30,7 +20,6 @@ from trio_encode.completion import (
     FailureNotices,
     Pusher,
 )
-from trio_encode.declare import SETTINGS, in_group
 from trio_encode.ending import Call, Failure, late_call
 from trio_encode.engine import EngineError, TransferEngine
 from trio_encode.errors import (
@@ -44,7 +33,6 @@ from trio_encode.errors import (
 from trio_encode.ledger import Lease, RegistrationLedger
 from trio_encode.observer import LifecycleObserver, NullObserver, TaskFaults
 from trio_encode.receivers import receiver_host, same_host
-from trio_encode.recent import Recent
 from trio_encode.request_types import (
     EmbeddingMemory,
     EmbeddingShape,
@@ -55,127 +43,13 @@ from trio_encode.request_types import (
 )
 from trio_encode.scope import RequestScope
 from trio_encode.scopes import ScopeRegistry
-from trio_encode.sizes import ByteSize, GiB
+from trio_encode.service.encoder_api import Encoder
+from trio_encode.service.held import HeldMemory
+from trio_encode.service.parts import MAX_ENDPOINTS, UNKNOWN_CLIENT, Notify, Part, family_of
+from trio_encode.service.requests import RequestRecord, Requests
+from trio_encode.service.settings import ServiceSettings
 
 log = logging.getLogger(__name__)
-
-
-class _HeldMemory:
-    """The memory live requests hold, as a running total (``max_held_bytes`` is checked on
-    every ``/encode``: no pass over the live requests). Counted by memory range, not by
-    request: a cached row that many requests send (or one request names many times) is one
-    allocation, counted once while any of them holds it."""
-
-    def __init__(self) -> None:
-        self.nbytes = 0
-        self._holders: dict[tuple[int, int], int] = {}  # (address, length) -> requests
-
-    def take(self, embedding: EmbeddingMemory) -> list[tuple[int, int]]:
-        """Count ``embedding``'s memory; returns what to give back."""
-        ranges = list(dict.fromkeys(embedding.segments))
-        for memory in ranges:
-            holders = self._holders.get(memory, 0)
-            if not holders:
-                self.nbytes += memory[1]
-            self._holders[memory] = holders + 1
-        return ranges
-
-    def give_back(self, ranges: list[tuple[int, int]]) -> None:
-        for memory in ranges:
-            holders = self._holders[memory] - 1
-            if holders:
-                self._holders[memory] = holders
-            else:
-                del self._holders[memory]
-                self.nbytes -= memory[1]
-
-
-class Encoder(Protocol):
-    """The encoder as the service uses it (``trio_encode.encoder`` provides the real one)."""
-
-    @property
-    def ready(self) -> bool: ...
-
-    @property
-    def arena(self) -> Arena | None:
-        """The registered arena the encoder writes embeddings into; None: per-request
-        registration only."""
-        ...
-
-    async def load_items(self, items: Sequence[str]) -> list[bytes]:
-        """Check and load ``mm_items`` without decoding pixels; raise InvalidInput."""
-        ...
-
-    async def encode(self, images: Sequence[bytes]) -> EmbeddingMemory:
-        """The embedding of ``images``; its ``checksum`` already computed off the event loop
-        when that is costly (the real encoder does it in its worker thread)."""
-        ...
-
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """The encoder's long-lived work (batching), run in the service nursery."""
-        ...
-
-
-class PassThroughEncoder:
-    """Passes every call to ``inner``: the base of wrappers that change only some calls."""
-
-    def __init__(self, inner: Encoder) -> None:
-        self._inner = inner
-
-    @property
-    def ready(self) -> bool:
-        return self._inner.ready
-
-    @property
-    def arena(self) -> Arena | None:
-        return self._inner.arena
-
-    async def load_items(self, items: Sequence[str]) -> list[bytes]:
-        return await self._inner.load_items(items)
-
-    async def encode(self, images: Sequence[bytes]) -> EmbeddingMemory:
-        return await self._inner.encode(images)
-
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        await self._inner.run(task_status=task_status)
-
-
-server_setting = in_group("server")
-
-
-@pydantic_dataclass(frozen=True, config=SETTINGS)
-class ServiceSettings:
-    """What the request scopes obey."""
-
-    send_timeout: float = server_setting(180.0, gt=0, allow_inf_nan=False)
-    """Seconds from a request's first /encode until its scope is ended whatever the clients do (the
-    backstop): waiting calls get 504, its memory is released."""
-    shutdown_grace: float = server_setting(30.0, ge=0)
-    """On SIGINT/SIGTERM, seconds live requests may still finish (new ones get 503) before they are
-    cut short."""
-    remember_released: int = server_setting(100_000, ge=0)
-    """Ended req_ids remembered, so a late call gets 410 rather than a new scope."""
-    remember_seconds: float = server_setting(3600.0, ge=0)
-    """Seconds an ended req_id is remembered for (see remember_released)."""
-    pull_timeout: float = server_setting(180.0, gt=0)
-    """Seconds a metadata pull (/scheduler_receive_meta_data) for a req_id that no /encode has named
-    yet waits for one (then 504); once named, the request's own deadline bounds the wait."""
-    max_live_scopes: int = server_setting(4096, gt=0)
-    """Requests alive at once (encoded, not yet sent to every receiver); a new /encode past it gets
-    503, so clients that never /send cannot pile scopes up to the backstop."""
-    max_held_bytes: ByteSize = server_setting(2 * GiB, gt=0)
-    """Embedding bytes the live requests may hold together (a cached row several share counts once);
-    a new /encode past it gets 503 until sends complete."""
-    receivers_match_prefill_host: bool = server_setting(True)
-    """When an /encode names prefill_host (SGLang's does), its /send calls must name receivers on
-    that host (403 otherwise); turn off for tensor-parallel ranks spread over several hosts."""
-    completion_messages: bool = server_setting(True)
-    """Push SGLang's completion message to the ZMQ endpoint (prefill_host, embedding_port) a /send
-    names once its bytes landed, and the error to those an /encode names when it fails: SGLang's
-    prefill completes a part only on it."""
-    completion_timeout: float = server_setting(5.0, gt=0)
-    """Seconds a completion message may take to reach its prefill rank; past it, that /send gets 502
-    (completion_failed)."""
 
 
 @dataclass(frozen=True)
@@ -183,82 +57,6 @@ class EncodeReport:
     shape: EmbeddingShape
     receive_count: int | None
     """``None`` while no call has named the count yet."""
-
-
-@dataclass(frozen=True)
-class Part:
-    """Where a request sits in SGLang's split of a prefill request (one part per encode
-    server, ids ``{rid}_local_part_{i}``), and the prefill ranks its ``/encode`` named."""
-
-    num_parts: int = 1
-    part_idx: int = 0
-    endpoints: tuple[Endpoint, ...] = ()
-
-    @staticmethod
-    def family(req_id: str, part: Part) -> str | None:
-        """The request's id without its part suffix, when it is a part of several: siblings
-        share it. None for a whole request."""
-        match = _PART_ID.match(req_id)
-        if part.num_parts < 2 or match is None or int(match.group(2)) != part.part_idx:
-            return None
-        return match.group(1)
-
-
-@dataclass(frozen=True)
-class Notify:
-    """Where a ``/send`` wants SGLang's completion message: the prefill rank's socket, and the
-    part of the request the send carries (used when its ``/encode`` named none)."""
-
-    endpoint: Endpoint
-    part_idx: int = 0
-
-
-_PART_ID = re.compile(r"^(.*)_local_part_([0-9]+)$")
-
-
-def _part_of(req_id: str) -> tuple[str, int] | None:
-    """``(rid, index)`` when ``req_id`` is written as SGLang writes part ``index`` of ``rid``
-    (``{rid}_local_part_{index}``, the index without leading zeros); None otherwise."""
-    match = _PART_ID.match(req_id)
-    if match is None or (len(match.group(2)) > 1 and match.group(2).startswith("0")):
-        return None
-    return match.group(1), int(match.group(2))
-
-
-def _family_of(req_id: str) -> str | None:
-    part = _part_of(req_id)
-    return None if part is None else part[0]
-
-
-REMEMBER_FAILURES = 10_000
-"""Failed requests remembered for their late pulls, at most; as many families of parts."""
-REMEMBER_ENDED = 1024
-"""Ended requests whose bound endpoints are remembered (for ``pull_timeout``), so that a late
-``/send``'s error still reaches its rank; at most ``REMEMBER_ENDED * MAX_ENDPOINTS``
-endpoints (about 10 MiB)."""
-MAX_ENDPOINTS = 64
-"""Prefill endpoints one request may have bound, over all its calls. A rank has one endpoint,
-and the ranks that receive a request are its prefill's tensor-parallel ranks: 64 is eight
-nodes of 8 GPUs, above the layouts SGLang documents (TP 8 to 32). It keeps what one request
-can make the server push, and remember, small: a client naming thousands of ports gets a 400."""
-UNKNOWN_CLIENT = "unknown"
-"""The client of a call whose caller did not say (error pushes are bounded per client)."""
-
-
-@dataclass(eq=False)
-class _Request:
-    """What the service keeps beside a request's scope, and for a while after it ended: its
-    part and the prefill endpoints bound to it (those its ``/encode`` calls named, and those of
-    the ``/send`` calls it admitted), each with the client that named it. Only these are ever
-    sent the request's failure, each at most once."""
-
-    req_id: str
-    part: Part
-    endpoints: dict[Endpoint, str] = field(default_factory=dict)
-    told: set[Endpoint] = field(default_factory=set)
-    """Bound endpoints already sent (or being sent) the request's failure."""
-    full: bool = False
-    """A /send's endpoint found no room (logged once)."""
 
 
 @dataclass(frozen=True)
@@ -303,13 +101,13 @@ class EncodeService:
         self.shutdown_report: ShutdownReport | None = None
         self._grace = trio.CancelScope(deadline=math.inf)
         self._shutdown_done = trio.Event()
-        self.arrivals = Arrivals(group=_family_of)
+        self.arrivals = Arrivals(group=family_of)
         self._prefill_hosts: weakref.WeakKeyDictionary[RequestScope, str] = (
             weakref.WeakKeyDictionary()
         )
         """``prefill_host`` of each live request whose /encode named one."""
         self._nursery = nursery
-        self._held = _HeldMemory()
+        self._held = HeldMemory()
         self.faults = TaskFaults(observer)
         """The failures of background tasks, contained (logged and counted by kind)."""
         self.completions: Pusher | None = None
@@ -321,20 +119,8 @@ class EncodeService:
                 timeout=settings.completion_timeout, observer=observer
             )
             self.notices = FailureNotices(self.completions, self.faults, observer=observer)
-        self._requests: dict[str, _Request] = {}
-        """Live requests opened through :meth:`encode`, by req_id."""
-        self._families: dict[str, dict[str, _Request]] = {}
-        """Live requests whose id names a part, by the id of the request they are parts of."""
-        window = self._pull_timeout
-        self._ended: Recent[str, _Request] = Recent(REMEMBER_ENDED, window)
-        """Recently ended requests (and refused ones that named endpoints)."""
-        self._failures: Recent[str, Failure] = Recent(REMEMBER_FAILURES, window)
-        """Recent failures by req_id. A pull arriving after its request failed gets the
-        failure at once, also where the scope left no tombstone (bad input, after which a
-        corrected /encode may reuse the id and clears the entry)."""
-        self._family_failures: Recent[str, Failure] = Recent(REMEMBER_FAILURES, window)
-        """Recent failures of part families (by the id of the request they are parts of):
-        what each sibling part of a failed part gets."""
+        self.requests = Requests(self._pull_timeout)
+        """What is kept beside each request: its part, bound endpoints and failure."""
 
     @classmethod
     @asynccontextmanager
@@ -432,7 +218,7 @@ class EncodeService:
         """Run the encoder once for ``req_id``; siblings share the run and its answer.
 
         ``part``: where the request sits among its prefill request's parts, and the prefill
-        ranks to tell if the encode fails (at most :data:`MAX_ENDPOINTS` per request over all
+        ranks to tell if the encode fails (at most ``MAX_ENDPOINTS`` per request over all
         its calls; past it, :class:`InvalidInput` and nothing changes). ``prefill_host``: the
         host every receiver of the request must be on (when ``receivers_match_prefill_host``).
         ``client``: the caller's address, which failure pushes to those ranks are charged to.
@@ -452,9 +238,9 @@ class EncodeService:
             except InvalidInput as exc:
                 # Pulls already waiting for this id learn why now, not at their timeout.
                 self.arrivals.announce(req_id, error=exc)
-                refused = _Request(req_id, part, named)
+                refused = RequestRecord(req_id, part, named)
                 self._failed(refused, Failure.of(exc))
-                self._remember_ended(refused)
+                self.requests.ended(refused)
                 raise
 
             taken: list[tuple[int, int]] = []
@@ -465,10 +251,10 @@ class EncodeService:
                 return embedding
 
             if self.registry.live(req_id) is None:  # no checkpoint until open() creates it
-                opening = _Request(req_id, part, named)
+                opening = RequestRecord(req_id, part, named)
                 return await self._open(opening, receive_count, prefill_host, run_encoder, taken)
             scope = self.registry.require_live(req_id)  # a sibling opened it meanwhile
-        record = self._requests.get(req_id)
+        record = self.requests.live(req_id)
         if record is not None:
             self._check_room(req_id, record.endpoints, named)
         scope.check_receive_count(receive_count)
@@ -479,7 +265,7 @@ class EncodeService:
 
     async def _open(
         self,
-        record: _Request,
+        record: RequestRecord,
         receive_count: int | None,
         prefill_host: str | None,
         run_encoder: Encode,
@@ -489,18 +275,18 @@ class EncodeService:
         keeps beside it: its record (in place before the scope, so that siblings joining at
         once bind their endpoints to it) and one watcher."""
         req_id = record.req_id
-        self._track(record)
+        self.requests.track(record)
         try:
             scope = await self.registry.open(
                 req_id, receive_count=receive_count, encode=run_encoder
             )
         except BaseException:
-            self._untrack(record)
+            self.requests.untrack(record)
             raise
         self._nursery.start_soon(self.faults.contain, "watcher", self._watch, scope, record, taken)
         if prefill_host is not None and self.settings.receivers_match_prefill_host:
             self._prefill_hosts[scope] = prefill_host
-        self._failures.forget(req_id)  # a corrected retry of a bad request
+        self.requests.retried(req_id)
         self.arrivals.announce(req_id)
         shape = await scope.wait_encoded()
         return EncodeReport(shape, scope.receive_count)
@@ -508,7 +294,7 @@ class EncodeService:
     def _check_room(
         self, req_id: str, bound: dict[Endpoint, str], named: dict[Endpoint, str]
     ) -> None:
-        """Refuse (400) a call that would bind more than :data:`MAX_ENDPOINTS` endpoints to
+        """Refuse (400) a call that would bind more than ``MAX_ENDPOINTS`` endpoints to
         its request: before anything is looked up or changed."""
         if len(named) <= MAX_ENDPOINTS - len(bound):
             return
@@ -521,41 +307,11 @@ class EncodeService:
                 req_id=req_id,
             )
 
-    def _track(self, record: _Request) -> None:
-        """``record`` is its request's live one from now (a stale one, whose scope has just
-        ended and whose watcher has not run yet, is replaced)."""
-        self._requests[record.req_id] = record
-        family = _family_of(record.req_id)
-        if family is not None:
-            self._families.setdefault(family, {})[record.req_id] = record
-
-    def _untrack(self, record: _Request) -> None:
-        """Forget ``record`` as live, unless a newer one took its place."""
-        if self._requests.get(record.req_id) is record:
-            del self._requests[record.req_id]
-        family = _family_of(record.req_id)
-        if family is None:
-            return
-        members = self._families.get(family)
-        if members is not None and members.get(record.req_id) is record:
-            del members[record.req_id]
-            if not members:
-                del self._families[family]
-
     def _pull_timeout(self) -> float:
         return self.settings.pull_timeout
 
-    def _remember_ended(self, record: _Request) -> None:
-        """Keep an ended request's endpoints for its late sends' errors (bounded)."""
-        if record.endpoints:
-            self._ended.remember(record.req_id, record)
-
-    def _record(self, req_id: str) -> _Request | None:
-        """The request's record: live, or ended within ``pull_timeout`` (and remembered)."""
-        return self._requests.get(req_id) or self._ended.get(req_id)
-
     async def _watch(
-        self, scope: RequestScope, record: _Request, taken: list[tuple[int, int]]
+        self, scope: RequestScope, record: RequestRecord, taken: list[tuple[int, int]]
     ) -> None:
         """Beside each scope: when its encode fails, tell its prefill ranks and end its
         sibling parts here; when it has ended, give back what its embedding took from
@@ -565,16 +321,16 @@ class EncodeService:
             await scope.wait_ended()
         finally:
             self._held.give_back(taken)
-            self._untrack(record)
-            self._remember_ended(record)
+            self.requests.untrack(record)
+            self.requests.ended(record)
 
-    async def _follow(self, scope: RequestScope, record: _Request) -> None:
+    async def _follow(self, scope: RequestScope, record: RequestRecord) -> None:
         try:
             await scope.wait_encoded()
         except RequestError as exc:
             self._failed(record, scope.failure or Failure.of(exc))
 
-    def _failed(self, record: _Request, failure: Failure) -> None:
+    def _failed(self, record: RequestRecord, failure: Failure) -> None:
         """The request failed: remember why for its late pulls, tell the ranks bound to it,
         and end its sibling parts on this server (their ranks will never send them).
 
@@ -582,34 +338,23 @@ class EncodeService:
         family, found through their indexes): the work is theirs, never the number of parts
         a client claims. A family already failed has had its siblings ended once."""
         req_id, part = record.req_id, record.part
-        self._failures.remember(req_id, failure)
+        self.requests.failed(req_id, failure)
         self._tell(record, failure)
         family = Part.family(req_id, part)
-        if family is None or self._family_failures.get(family) is not None:
+        if family is None or self.requests.family_failure(req_id, part) is not None:
             return
         sibling_failure = Failure(
             failure.error_type, f"part {part.part_idx} of this request failed: {failure.message}"
         )
-        self._family_failures.remember(family, sibling_failure)
-        for sibling in self._siblings(family, req_id, part, list(self._families.get(family, ()))):
+        self.requests.family_failed(family, sibling_failure)
+        members = self.requests.family_members(family)
+        for sibling in self.requests.siblings(family, req_id, part, members):
             scope = self.registry.live(sibling)
             if scope is not None:
                 scope.abandon(sibling_failure)
-        for sibling in self._siblings(family, req_id, part, self.arrivals.waiting_in(family)):
+        waiting = self.arrivals.waiting_in(family)
+        for sibling in self.requests.siblings(family, req_id, part, waiting):
             self.arrivals.announce(sibling, error=sibling_failure.error(sibling))
-
-    @staticmethod
-    def _siblings(family: str, req_id: str, part: Part, ids: list[str]) -> list[str]:
-        """Of ``ids`` (all of ``family``), the other parts of ``part``'s request."""
-        siblings = []
-        for other in ids:
-            where = _part_of(other)
-            if other == req_id or where is None:
-                continue
-            other_family, index = where
-            if other_family == family and index < part.num_parts:
-                siblings.append(other)
-        return siblings
 
     def _late(
         self,
@@ -621,23 +366,19 @@ class EncodeService:
     ) -> SendReport | None:
         """What ``call`` gets for ``req_id`` with no live scope (:func:`late_call` decides):
         raises its error, returns a served receiver's answer again, or None to go on."""
-        family = None
-        match = _PART_ID.match(req_id)
-        if match is not None and (part is None or Part.family(req_id, part) is not None):
-            family = self._family_failures.get(match.group(1))
         return late_call(
             call,
             req_id,
             self.registry.ended(req_id),
-            failure=self._failures.get(req_id),
-            family_failure=family,
+            failure=self.requests.failure(req_id),
+            family_failure=self.requests.family_failure(req_id, part),
             receiver=receiver,
             closed=self.registry.closed and call != "send",
         )
 
     def _tell(
         self,
-        record: _Request,
+        record: RequestRecord,
         failure: Failure,
         *,
         only: Endpoint | None = None,
@@ -724,7 +465,7 @@ class EncodeService:
         layer's check (``allowed_receivers``), where session ids from outside come in.
         """
         client = client or UNKNOWN_CLIENT
-        record = self._requests.get(req_id)  # taken now: the scope may end before the push
+        record = self.requests.live(req_id)  # taken now: the scope may end before the push
         try:
             scope = self.registry.live(req_id)
             if scope is None:
@@ -738,7 +479,7 @@ class EncodeService:
                 self._bind(record, notify.endpoint, client)
             report = await scope.send(receiver)
         except RequestError as exc:
-            known = record or self._record(req_id)
+            known = record or self.requests.record(req_id)
             if notify is not None and known is not None:
                 self._tell(known, Failure.of(exc), only=notify.endpoint, client=client)
             raise
@@ -746,9 +487,9 @@ class EncodeService:
             await self._push_done(req_id, record, notify, report)
         return report
 
-    def _bind(self, record: _Request, endpoint: Endpoint, client: str) -> None:
+    def _bind(self, record: RequestRecord, endpoint: Endpoint, client: str) -> None:
         """Bind a send's endpoint to its request (so its failure may be told there), unless
-        the request has :data:`MAX_ENDPOINTS` already: then one log line, and the send goes
+        the request has ``MAX_ENDPOINTS`` already: then one log line, and the send goes
         on (its own completion message does not need the binding)."""
         if endpoint in record.endpoints:
             return
@@ -764,7 +505,7 @@ class EncodeService:
             )
 
     async def _push_done(
-        self, req_id: str, record: _Request | None, notify: Notify, report: SendReport
+        self, req_id: str, record: RequestRecord | None, notify: Notify, report: SendReport
     ) -> None:
         """Deliver the rank's completion message (its bytes landed), or raise
         :class:`CompletionFailed` naming the endpoint."""
