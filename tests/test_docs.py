@@ -98,7 +98,7 @@ def test_every_image_a_page_shows_is_in_the_site(site: Path) -> None:
         for source in re.findall(r"<img\b[^>]*\bsrc=\"([^\"]+)\"", page.read_text("utf-8")):
             assert (page.parent / source).resolve().is_file(), (page, source)
             shown += 1
-    assert shown >= 3  # the two drawings and the routing plot
+    assert shown >= 4  # the three drawings and the routing plot
 
 
 def test_the_settings_reference_lists_every_setting_with_its_variable_and_help(
@@ -125,7 +125,7 @@ def test_the_cli_reference_documents_every_command(site: Path) -> None:
         "trio_encode.client.receiver.LandingPool",
         "trio_encode.client.fleet.FleetClient",
         "trio_encode.errors.RequestError",
-        "trio_encode.service.EncodeService",
+        "trio_encode.service.core.EncodeService",
         "trio_encode.scope.RequestScope",
         "trio_encode.scopes.ScopeRegistry",
         "trio_encode.ledger.RegistrationLedger",

@@ -1,15 +1,20 @@
-"""Draw the request sequence and the lifecycle picture as plain SVG (no network, no plotting
-library): ``python docs/img/diagrams.py`` rewrites ``request_sequence.svg`` and
-``lifecycle.svg`` next to this file. The drawings are data here; edit them and rerun (the
-suite checks that the committed files are what this draws).
+"""Draw the request sequence, the lifecycle picture and the Grafana dashboard's layout as plain
+SVG (no network, no plotting library, so the bytes depend on nothing installed):
+``python docs/img/diagrams.py`` rewrites ``request_sequence.svg``, ``lifecycle.svg`` and
+``dashboard.svg`` next to this file. The first two drawings are data here, the third is
+``deploy/grafana-dashboard.json``'s panels; edit them and rerun (the suite checks that the
+committed files are what this draws).
 """
 
 from __future__ import annotations
 
+import json
+import re
 from html import escape
 from pathlib import Path
 
 HERE = Path(__file__).parent
+DASHBOARD = HERE.parents[1] / "deploy" / "grafana-dashboard.json"
 FONT = "font-family='DejaVu Sans, Helvetica, Arial, sans-serif'"
 INK = "#1f2933"
 MUTED = "#52606d"
@@ -252,7 +257,46 @@ def draw_lifecycle(path: Path) -> None:
     svg.save(path)
 
 
-DRAWINGS = {"request_sequence.svg": draw_sequence, "lifecycle.svg": draw_lifecycle}
+# -- the Grafana dashboard: its panels where Grafana puts them, each with what it queries ---------
+
+
+def draw_dashboard(path: Path) -> None:
+    dashboard = json.loads(DASHBOARD.read_text(encoding="utf-8"))
+    column, unit, top, pad = 40, 13, 48, 6  # Grafana's grid: 24 columns, rows of h units
+    bottom = max(p["gridPos"]["y"] + p["gridPos"]["h"] for p in dashboard["panels"])
+    svg = Svg(24 * column + 2 * pad, top + bottom * unit + pad, "The trio-encode dashboard")
+    svg.text(
+        pad + 4, 28, f"Grafana: {dashboard['title']}", anchor="start", weight="bold", size="15"
+    )
+    svg.text(
+        24 * column + pad - 4,
+        28,
+        "deploy/grafana-dashboard.json: each panel and the metrics it queries",
+        anchor="end",
+        fill=MUTED,
+        size="11",
+    )
+    for panel in dashboard["panels"]:
+        box = panel["gridPos"]
+        x, y = pad + box["x"] * column, top + box["y"] * unit
+        svg.rect(x + 3, y + 3, box["w"] * column - 6, box["h"] * unit - 6, fill="#f8fafc")
+        svg.text(x + 14, y + 24, panel["title"], anchor="start", weight="bold")
+        metrics: list[str] = []
+        for target in panel["targets"]:
+            for name in re.findall(r"\b(?:trio_encode|process)_\w+", target["expr"]):
+                short = re.sub(r"_(bucket|sum|count)$", "", name.removeprefix("trio_encode_"))
+                if short not in metrics:
+                    metrics.append(short)
+        for line, name in enumerate(metrics[:4]):
+            svg.text(x + 14, y + 46 + 16 * line, name, anchor="start", fill=ACCENT, size="11")
+    svg.save(path)
+
+
+DRAWINGS = {
+    "request_sequence.svg": draw_sequence,
+    "lifecycle.svg": draw_lifecycle,
+    "dashboard.svg": draw_dashboard,
+}
 """Each file this script owns, and what draws it."""
 
 
