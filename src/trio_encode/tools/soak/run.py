@@ -16,7 +16,8 @@ warm-up, the faults come:
 - a dead rank: one receiver SIGKILLed, and a new one started in its place;
 - (with ``first_contact_freeze``) a rank frozen at first contact: a new receiver takes rank 0's
   place and is SIGSTOPped before the server has ever reached it, while its calls go on, so the
-  server's first transfer to it meets a frozen peer.
+  server's first transfer to it meets a frozen peer; meanwhile (``first_contact_sends``) many
+  more requests each send to it at once, and a new, healthy receiver's first request is timed.
 
 Then it checks, from ``/metrics`` and every receiver: every answer is one the contract allows
 (a 200 whose bytes are the model's, byte for byte, and never written again after its answer;
@@ -24,8 +25,10 @@ or a documented error in the contract's shape), no slot ever holds a byte that i
 did not send (a slot handed to a request must still hold the marker it was filled with when its
 last request ended), no call outlived its request's deadline, no
 scope and no registration is left once the deadlines have passed, the server's RSS stayed
-within ``rss_tolerance`` of its level after the warm-up, and the probe's median latency while
-a rank was frozen stayed within ``probe_tolerance`` of its median just before.
+within ``rss_tolerance`` of its level after the warm-up, the probe's median latency while
+a rank was frozen stayed within ``probe_tolerance`` of its median just before, and while a rank
+was frozen at first contact every probe, and the new receiver's first request, answered within
+:data:`FIRST_CONTACT_BOUND`.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Annotated, Any
@@ -114,6 +117,10 @@ class SoakConfig:
     first_contact_freeze: float = soak_setting(8.0, ge=0)
     """Seconds a new rank 0 stays SIGSTOPped from its start while its calls go on, so the server's
     first contact with it meets a frozen peer (0: never)."""
+    first_contact_sends: int = soak_setting(48, ge=0)
+    """While that rank is frozen, requests of one image that each send to it, all at once; then a
+    new, healthy receiver's first /encode + /send is timed against the first-contact bound (0:
+    none)."""
     freeze_past_deadline: bool = soak_setting(True)
     """SIGSTOP another rank mid-transfer until its requests' deadlines passed, then resume it."""
     two_image_share: float = Field(default=0.1, ge=0, le=1)
@@ -205,6 +212,12 @@ class SoakResult:
     probe_frozen_count: int
     probe_first_contact_max: float
     """The slowest probe while a rank was frozen at first contact (0 without that fault)."""
+    new_rank_first_contact: float
+    """Seconds of a new, healthy receiver's first request while many sends waited on the rank
+    frozen at first contact (0 without that fault)."""
+    frozen_new_rank_sends: int
+    """/send calls of the ``first_contact_sends`` requests answered while their rank was frozen
+    (each failed: a frozen rank is never reached)."""
     probe_samples: list[tuple[float, float]]
     """(seconds since start, latency) of every probe; the freeze is ``freeze_window``."""
     freeze_window: tuple[float, float] | None
@@ -273,7 +286,9 @@ class SoakResult:
             f"({self.probe_frozen_count} probes) vs {self.probe_baseline_median * 1000:.1f} ms "
             f"before ({self.probe_ratio:.2f}x)",
             f"probe while a rank was frozen at first contact: slowest "
-            f"{self.probe_first_contact_max * 1000:.0f} ms (bound {FIRST_CONTACT_BOUND:g} s)",
+            f"{self.probe_first_contact_max * 1000:.0f} ms (bound {FIRST_CONTACT_BOUND:g} s); "
+            f"a new rank's first request {self.new_rank_first_contact * 1000:.0f} ms while "
+            f"{self.frozen_new_rank_sends} sends to it were answered",
         ]
         lines += [f"VIOLATION: {v}" for v in self.violations[:50]]
         if len(self.violations) > 50:
@@ -314,6 +329,15 @@ def _rss_windows(samples: list[tuple[float, int]]) -> list[tuple[float, int]]:
     return windows
 
 
+@dataclass(eq=False)
+class _ManySends:
+    """The requests of the many-sends fault, encoded, and the new receiver timed meanwhile."""
+
+    healthy: Rank
+    encoded: list[tuple[str, list[tuple[int, str]]]] = field(default_factory=list)
+    """``(req_id, [(identity, data URI)])`` of each request encoded."""
+
+
 class _Soak:
     def __init__(self, config: SoakConfig, workload: TaggedImages, server: ServerProcess) -> None:
         self.config = config
@@ -332,6 +356,10 @@ class _Soak:
         self.freeze_window: tuple[float, float] | None = None
         self.late_freeze_window: tuple[float, float] | None = None
         self.first_contact_window: tuple[float, float] | None = None
+        self.new_rank_first_contact = 0.0
+        """Seconds of a new, healthy receiver's first request during that window."""
+        self.frozen_new_rank_sends = 0
+        """/send calls of those requests answered while that rank was frozen."""
         self.late_thawed = trio.Event()
         """Set once no rank is frozen past the deadline (the probe's freeze waits for it)."""
         self.killed_at: float | None = None
@@ -486,9 +514,12 @@ class _Soak:
         """``/send`` into ``slot`` (again after a 502, at most 4 times; with ``vanish`` a call
         abandoned after a few ms first) and check what landed. A slot whose send failed is
         marked dirty. True when answered 200 with its images' stamped bytes."""
-        before = await rank.clean(slot)
-        if not before.clean:
-            self.wrong_bytes(before, f"{req_id} {who}: its slot held, before its /send")
+        # A frozen receiver answers no reading until it is thawed: a slot it never used (a rank
+        # frozen at first contact) is sent to at once, and the reading after a 200 covers it.
+        if slot.identities or not rank.receiver.frozen:
+            before = await rank.clean(slot)
+            if not before.clean:
+                self.wrong_bytes(before, f"{req_id} {who}: its slot held, before its /send")
         identities = [identity for identity, _ in images]
         slot.identities = tuple(identities)  # what may land there from now on is this request's
         body = {"req_id": req_id, "session_id": rank.session_id, "buffer_address": slot.address}
@@ -582,13 +613,106 @@ class _Soak:
         finally:
             self.late_thawed.set()
 
-    async def freeze_at_first_contact(self, rank: Rank) -> None:
-        """``rank`` is new and frozen: its calls go on until it is thawed."""
+    async def freeze_at_first_contact(
+        self,
+        rank: Rank,
+        http: httpx.AsyncClient,
+        nursery: trio.Nursery,
+        many: _ManySends | None,
+    ) -> None:
+        """``rank`` is new and frozen: its calls go on until it is thawed, and with ``many``
+        its requests' sends come at once (the freeze lasts its seconds from when they are all
+        made)."""
         start = time.monotonic()
-        await trio.sleep(self.config.first_contact_freeze)
-        rank.receiver.thaw()
-        rank.calls_while_frozen = False
-        self.first_contact_window = (start, time.monotonic())
+        async with trio.open_nursery() as faults:
+            if many is not None:
+                await faults.start(self.many_sends_to_frozen, rank, http, nursery, many)
+            await trio.sleep(self.config.first_contact_freeze)
+            rank.receiver.thaw()
+            rank.calls_while_frozen = False
+            thawed = time.monotonic()
+            self.first_contact_window = (start, thawed)
+            self.frozen_new_rank_sends = sum(
+                call.route == "/send"
+                and call.rank == "many"
+                and call.started + call.seconds < thawed
+                for call in self.calls
+            )
+
+    async def prepare_many_sends(
+        self, http: httpx.AsyncClient, stack: AsyncExitStack
+    ) -> _ManySends:
+        """Before the rank frozen at first contact exists: ``first_contact_sends`` requests of
+        one image encoded (a few at a time, so the encoder's queue is not what the probes
+        then wait on) and a new, healthy receiver started."""
+        part = self.workload.bytes_per_image
+        healthy = Rank(
+            await _fresh_receiver(stack, 4 * part, "new-healthy", self.session_ids),
+            part,
+            dirty_seconds=self.config.deadline_bound,
+        )
+        many = _ManySends(healthy)
+        limit = trio.Semaphore(4)
+
+        async def encode(k: int) -> None:
+            req_id = f"many-{k}"
+            images = self.draw_images(req_id, 1)
+            body = {"req_id": req_id, "mm_items": [images[0][1]], "receive_count": 1}
+            async with limit:
+                call, _ = await post(http, "/encode", body, rank="many")
+            self._record(call)
+            if call.status == 200:
+                many.encoded.append((req_id, images))
+
+        async with trio.open_nursery() as encodes:
+            for k in range(self.config.first_contact_sends):
+                encodes.start_soon(encode, k)
+        return many
+
+    async def many_sends_to_frozen(
+        self,
+        rank: Rank,
+        http: httpx.AsyncClient,
+        nursery: trio.Nursery,
+        many: _ManySends,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Each of ``many``'s requests sends to the frozen ``rank`` (again after a 502, as a
+        rank retries), all at once (started once they are made); once they wait in the server,
+        the new, healthy receiver's first request is timed: a frozen peer's first contact must
+        take nothing another new receiver needs (its probes, their threads)."""
+        part = self.workload.bytes_per_image
+
+        async def send(req_id: str, images: list[tuple[int, str]]) -> None:
+            async with rank.slot(nursery) as slot:
+                if await self._send_and_check(http, rank, slot, req_id, images, "many"):
+                    self.checked_bytes += part
+
+        async with trio.open_nursery() as sends:
+            for req_id, images in many.encoded:
+                sends.start_soon(send, req_id, images)
+            task_status.started()
+            await trio.sleep(0.5)  # they wait in the server, on the frozen rank's first contact
+            images = self.draw_images("new-healthy", 1)
+            started = time.monotonic()
+            body = {"req_id": "new-healthy", "mm_items": [images[0][1]], "receive_count": 1}
+            call, _ = await post(http, "/encode", body, rank="new-healthy")
+            self._record(call)
+            served = False
+            if call.status == 200:
+                async with many.healthy.slot(nursery) as slot:
+                    served = await self._send_and_check(
+                        http, many.healthy, slot, "new-healthy", images, "new-healthy"
+                    )
+            self.new_rank_first_contact = time.monotonic() - started
+            if served:
+                self.checked_bytes += part
+            else:
+                self.violations.append(
+                    "a new, healthy rank's first request failed while sends waited on a rank "
+                    "frozen at first contact"
+                )
 
     async def freeze(self, r: int) -> None:
         await self.late_thawed.wait()  # one frozen rank at a time: the probe compares
@@ -673,8 +797,15 @@ async def _drive(
             if index == freeze_at and config.freeze_seconds > 0:
                 requests.start_soon(soak.freeze, 1 % config.tp)
             if index == first_contact_at and config.first_contact_freeze > 0:
+                many = None
+                if config.first_contact_sends:
+                    many = await soak.prepare_many_sends(http, stack)
                 first = soak.ranks[0]
-                receiver = await _fresh_receiver(stack, first, soak.session_ids)
+                # Room for its share of the requests and the sends that pile up on it.
+                slots = first.receiver.nbytes // first.slot_bytes + config.first_contact_sends
+                receiver = await _fresh_receiver(
+                    stack, slots * first.slot_bytes, f"{first.name}'", soak.session_ids
+                )
                 receiver.freeze()  # before the server has ever reached it
                 fresh = Rank(
                     receiver,
@@ -684,12 +815,14 @@ async def _drive(
                     calls_while_frozen=True,
                 )
                 soak.ranks[0] = fresh
-                requests.start_soon(soak.freeze_at_first_contact, fresh)
+                requests.start_soon(soak.freeze_at_first_contact, fresh, http, background, many)
             if index == kill_at and config.kill:
                 victim = soak.ranks[-1]
                 victim.kill()
                 soak.killed_at = time.monotonic()
-                receiver = await _fresh_receiver(stack, victim, soak.session_ids)
+                receiver = await _fresh_receiver(
+                    stack, victim.receiver.nbytes, f"{victim.name}'", soak.session_ids
+                )
                 soak.ranks[-1] = Rank(
                     receiver,
                     victim.part_bytes,
@@ -708,17 +841,18 @@ async def _drive(
         requests.cancel_scope.cancel()  # the probe
 
 
-async def _fresh_receiver(stack: AsyncExitStack, victim: Rank, used: set[str]) -> ReceiverProcess:
-    """A receiver to replace ``victim``, on a ``session_id`` no earlier rank had.
+async def _fresh_receiver(
+    stack: AsyncExitStack, nbytes: int, name: str, used: set[str]
+) -> ReceiverProcess:
+    """A new receiver of ``nbytes`` (to replace a rank, say), on a ``session_id`` no earlier
+    rank had.
 
     In one soak every transfer into a replacement rank failed with -1 for the rest of the run;
     the suspected cause is a new process on a dead one's port, whose old descriptor the
     server's engine still holds (see ``docs/operations.md``). The soak avoids it.
     """
     for attempt in range(5):
-        receiver = await stack.enter_async_context(
-            open_receiver(victim.receiver.nbytes, name=f"{victim.name}'{attempt}")
-        )
+        receiver = await stack.enter_async_context(open_receiver(nbytes, name=f"{name}{attempt}"))
         if receiver.session_id not in used:
             used.add(receiver.session_id)
             return receiver
@@ -808,6 +942,11 @@ def _result(soak: _Soak, drained: tuple[float, float, str]) -> SoakResult:
         if not first_contact:
             violations.append("no probe answered while a rank was frozen at first contact")
         slow = [s for s in first_contact if s > FIRST_CONTACT_BOUND]
+        if soak.new_rank_first_contact > FIRST_CONTACT_BOUND:
+            violations.append(
+                f"a new rank's first request took {soak.new_rank_first_contact:.1f} s while "
+                "sends waited on a rank frozen at first contact"
+            )
         if slow:
             violations.append(
                 f"{len(slow)} probes took over {FIRST_CONTACT_BOUND:g} s (up to {max(slow):.1f} "
@@ -845,6 +984,8 @@ def _result(soak: _Soak, drained: tuple[float, float, str]) -> SoakResult:
         probe_frozen_median=frozen,
         probe_frozen_count=frozen_count,
         probe_first_contact_max=max(first_contact, default=0.0),
+        new_rank_first_contact=soak.new_rank_first_contact,
+        frozen_new_rank_sends=soak.frozen_new_rank_sends,
         probe_samples=[(t - soak.started, latency) for t, latency in soak.probe_samples],
         freeze_window=_since(soak.freeze_window, soak.started),
         late_freeze_window=_since(soak.late_freeze_window, soak.started),
