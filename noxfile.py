@@ -136,14 +136,16 @@ def soak(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """``trio-encode bench``: served /send against raw Mooncake transfers and an asyncio peer,
     /encode against the raw forward, a /health probe and peak RSS (several minutes on 2 cores;
-    run it on an idle machine), then the modelled RDMA run. Arguments after ``--`` go to the
-    measured command, e.g. ``nox -s bench -- --json``."""
+    run it on an idle machine), then the HTTP calls per route against hypercorn's floor and an
+    SGLang-style server, then the modelled RDMA run. Arguments after ``--`` go to the measured
+    commands, e.g. ``nox -s bench -- --json`` or ``-- --baseline ../old-tree``."""
     _install(session, "mooncake", "bench")
     session.run("trio-encode", "bench", *session.posargs)
     # Again with a core left to the event loop, decoding and transfers: on small hosts this
     # is the configuration where the serving path's share of the machine shows.
     spare = str(max(1, (os.cpu_count() or 2) - 1))
     session.run("trio-encode", "bench", "--torch-threads", spare, *session.posargs)
+    session.run("trio-encode", "bench", "--http", *session.posargs)
     session.run("trio-encode", "bench", "--cost-model", "rdma")
 
 

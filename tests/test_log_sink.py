@@ -277,3 +277,59 @@ def test_a_log_reader_that_stops_reading_does_not_stop_the_server(log_format: Lo
         reader.join(5)
     answered = [line for line in resumed if "/livez" in line and "answered" in line]
     assert len(answered) >= 60
+
+
+def test_a_woken_writer_lingers_so_lines_arriving_meanwhile_go_in_one_write_and_one_wake(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A writer that took each line as it came was woken once per line, a thread hand-over
+    that cost a busy server's event loop a fifth of a probe's CPU. Woken, the writer waits a
+    moment (held here by a gate): the lines that come meanwhile wake nobody and are written
+    together, in order."""
+    lingering, release = threading.Event(), threading.Event()
+
+    def held() -> None:
+        lingering.set()
+        release.wait(10)
+
+    monkeypatch.setattr(logs, "_linger", held)
+    read_end, write_end = os.pipe()
+    stream = os.fdopen(write_end, "w")
+    handler = SinkHandler(stream)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    writes: list[int] = []
+    write_fd = handler._write_fd
+
+    def counted(fd: int, lines: list[str], encoding: str) -> bool:
+        writes.append(len(lines))
+        return write_fd(fd, lines, encoding)
+
+    monkeypatch.setattr(handler, "_write_fd", counted)
+    wakes = 0
+    notify_all = handler._wake.notify_all
+
+    def counted_notify() -> None:
+        nonlocal wakes
+        wakes += 1
+        notify_all()
+
+    monkeypatch.setattr(handler._wake, "notify_all", counted_notify)
+    log = logging.Logger("sink-linger-test")
+    log.addHandler(handler)
+    try:
+        log.info("line 0")
+        assert lingering.wait(10)
+        for n in range(1, 50):
+            log.info("line %d", n)
+            time.sleep(0.001)  # a writer that did not linger would take each line by itself
+        assert wakes == 0  # the writer was started, not woken; the lines since woke nobody
+        release.set()
+        handler.flush()
+        assert writes == [50]
+        text = _read_until(read_end, b"line 49\n").decode()
+        assert text.splitlines() == [f"line {n}" for n in range(50)]
+    finally:
+        release.set()
+        handler.close()
+        stream.close()
+        os.close(read_end)

@@ -1,8 +1,12 @@
 """The quart-trio app: the routes of the HTTP contract, each a few lines.
 
 A handler parses its body, calls the service, and maps the result; failures are mapped in
-:mod:`trio_encode.server.errors`. Nothing here touches a scope, an engine or a tensor, so a
-handler cancelled by a disconnecting client leaves only what the service decides to keep.
+:mod:`trio_encode.server.errors`. The metadata pulls, ``/send`` and the probes (the calls
+SGLang makes 2 x TP times per image part, and every few seconds) are served by a small ASGI
+layer in front of Quart (:class:`_FastRoutes`) with the same handlers, answers, logs and
+metrics: Quart's per-request machinery cost more CPU than hypercorn's own. Nothing here
+touches a scope, an engine or a tensor, so a handler cancelled by a disconnecting client leaves
+only what the service decides to keep.
 
 Auth: when a token is set, ``/encode``, ``/send`` and ``/scheduler_receive_meta_data`` need
 ``Authorization: Bearer <token>``. The probes and ``/metrics`` stay open, because probes and
@@ -24,9 +28,11 @@ line on the ``trio_encode.access`` logger.
 from __future__ import annotations
 
 import hmac
+import json
 import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import trio
@@ -37,13 +43,21 @@ from trio_encode.errors import (
     NotReady,
     Overloaded,
     ReceiverNotAllowed,
+    RequestError,
     ShuttingDown,
     TooLarge,
     clip,
 )
 from trio_encode.receivers import receiver_host
 from trio_encode.request_types import Receiver
-from trio_encode.server.errors import error_response, install_error_handlers, unauthorized
+from trio_encode.server.errors import (
+    error_answer,
+    error_response,
+    failure_of,
+    http_failure,
+    install_error_handlers,
+    unauthorized,
+)
 from trio_encode.server.metrics import Metrics
 from trio_encode.server.schemas import (
     EncodeRequest,
@@ -169,21 +183,228 @@ def _content_length(scope: Any) -> int | None:
     return None
 
 
+class _Call:
+    """What the fast path knows of the request it serves (Quart's ``g`` on the other path)."""
+
+    __slots__ = ("req_id",)
+
+    def __init__(self) -> None:
+        self.req_id: str | None = None
+
+
+Answer = dict[str, Any] | RequestError
+"""A route's answer: the JSON of a 200, or a refusal answered as it is (not logged)."""
+Handler = Callable[[Any, bytes, str], Awaitable[Answer]]
+"""A route: given the request's facts (``g`` or a :class:`_Call`), its body and the client's
+address."""
+
+
+@dataclass(frozen=True)
+class _Route:
+    handler: Handler
+    reads_body: bool
+
+
+def _json(data: object) -> bytes:
+    """The bytes Quart's ``jsonify`` writes (sorted keys, compact, ASCII, a newline), so a
+    route answers alike on either path."""
+    return (json.dumps(data, separators=(",", ":"), sort_keys=True) + "\n").encode()
+
+
+_JSON_TYPE = (b"content-type", b"application/json")
+_DISCONNECT = "http.disconnect"
+
+
+class _FastRoutes:
+    """ASGI layer in front of Quart: the calls SGLang makes 2 x TP times per image part (the
+    metadata pulls and ``/send``) and the probes, served without Quart's request and response
+    objects, context, hooks and dispatch, which cost more than hypercorn itself per call.
+
+    Everything the contract says of these routes stays, from the same functions the Quart
+    path uses: the token, the body limits (:class:`_BodyLimits` runs in front of both), the
+    body timeout, the error answers and their logs (:func:`failure_of`), the metrics and the
+    access log line (:func:`_Recorder`), and a client's disconnect cancelling its handler (as
+    quart-trio does: nothing is answered, counted or logged). Any other method or route goes on
+    to Quart (405, 404, ``HEAD``)."""
+
+    def __init__(
+        self,
+        app: Callable[..., Awaitable[None]],
+        routes: dict[tuple[str, str], _Route],
+        *,
+        expected: bytes | None,
+        body_timeout: float,
+        response_timeout: float,
+        control_limit: int,
+        budget: int,
+        record: _Recorder,
+    ) -> None:
+        self.app = app
+        self.budget = budget
+        self.routes = routes
+        self.expected = expected
+        self.body_timeout = body_timeout
+        self.response_timeout = response_timeout
+        self.control_limit = control_limit
+        self.record = record
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        route = self.routes.get((scope.get("method"), scope.get("path")))
+        if route is None or scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        arrived = trio.current_time()
+        call = _Call()
+        client = scope["client"][0] if scope.get("client") else "unknown"
+        path = scope["path"]
+        answer: Answer
+        try:
+            refusal = self._early(scope, path)
+            if refusal is not None:
+                answer = refusal
+            elif not route.reads_body:  # a probe: its handler never waits
+                answer = await route.handler(call, b"", client)
+            else:
+                with trio.CancelScope() as serving:
+                    answer = await self._serve(route, scope, receive, call, client, serving)
+                if serving.cancelled_caught:
+                    return  # the client went away: quart-trio answers nothing either
+        except Exception as exc:
+            answer = failure_of(exc, call)
+        if isinstance(answer, RequestError):
+            status, body, more = error_answer(answer)
+            data = _json(body)
+            headers = [_JSON_TYPE, (b"content-length", b"%d" % len(data))]
+            headers += [(name.encode(), value.encode()) for name, value in more]
+        else:
+            status, data = 200, _json(answer)
+            headers = [_JSON_TYPE, (b"content-length", b"%d" % len(data))]
+        self.record(
+            scope["method"], path, path, status, trio.current_time() - arrived, len(data), call
+        )
+        with trio.move_on_after(self.response_timeout):
+            await send({"type": "http.response.start", "status": status, "headers": headers})
+            await send({"type": "http.response.body", "body": data, "more_body": False})
+
+    def _early(self, scope: Any, path: str) -> RequestError | None:
+        """The refusals made before a byte of the body is read: the token, then a declared
+        body over the route's limit (in that order, as Quart's hooks run)."""
+        if self.expected is not None and path in _PROTECTED:
+            given = b""
+            for name, value in scope["headers"]:
+                if name == b"authorization":
+                    given = value
+                    break
+            if not hmac.compare_digest(given, self.expected):
+                return unauthorized()
+        declared = None
+        for name, value in scope["headers"]:
+            if name == b"content-length":  # any length of digits, as Quart reads it
+                declared = int(value) if value.strip().isdigit() else None
+                break
+        if declared is not None and declared > self.control_limit:
+            raise TooLarge(f"{path} takes bodies of at most {self.control_limit} bytes")
+        return None
+
+    async def _serve(
+        self,
+        route: _Route,
+        scope: Any,
+        receive: Any,
+        call: _Call,
+        client: str,
+        serving: trio.CancelScope,
+    ) -> Answer:
+        """Read the body, then run the handler while a disconnect cancels ``serving``."""
+        chunks = []
+        with trio.move_on_after(self.body_timeout) as waiting:
+            while True:
+                message = await receive()
+                if message["type"] == _DISCONNECT:
+                    serving.cancel()
+                    await trio.lowlevel.checkpoint()
+                chunks.append(message.get("body", b""))
+                if not message.get("more_body", False):
+                    break
+        if waiting.cancelled_caught:
+            raise http_failure(408)
+        raw = b"".join(chunks)
+        _refuse_cut(scope, scope["path"], self.control_limit, self.budget)
+        failed: Exception | None = None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_cancel_on_disconnect, receive, serving)
+            try:
+                answer = await route.handler(call, raw, client)
+            except Exception as exc:  # raised here, not from the nursery (no exception group)
+                failed = exc
+            nursery.cancel_scope.cancel()
+        if failed is not None:
+            raise failed
+        return answer
+
+
+async def _cancel_on_disconnect(receive: Any, serving: trio.CancelScope) -> None:
+    while (await receive())["type"] != _DISCONNECT:
+        pass
+    serving.cancel()
+
+
+def _refuse_cut(scope: Any, path: str, control_limit: int, budget: int) -> None:
+    """What :class:`_BodyLimits` decided about this body: over the budget (503) or cut at
+    the route's limit (413)."""
+    if scope.get(_OVER_BUDGET):
+        raise Overloaded(
+            f"request bodies in flight are at max_bodies_in_flight_bytes ({budget} bytes; one "
+            "client at most half); retry when some have been answered"
+        )
+    if scope.get(_CUT):
+        raise TooLarge(f"{path} takes bodies of at most {control_limit} bytes")
+
+
+class _Recorder:
+    """Counts and times every answer by route; with ``access_log`` on, logs it as one line."""
+
+    def __init__(self, metrics: Metrics, access: bool) -> None:
+        self.metrics = metrics
+        self.access = access
+
+    def __call__(
+        self,
+        method: str,
+        path: str,
+        route: str,
+        status: int,
+        seconds: float,
+        nbytes: int,
+        call: Any,
+    ) -> None:
+        self.metrics.request_answered(route, status, seconds)
+        if self.access:
+            access_log.info(
+                "answered",
+                extra={
+                    "method": method,
+                    "path": path,
+                    "status": status,
+                    "duration_ms": round(seconds * 1000, 3),
+                    "bytes": nbytes,
+                    "req_id": getattr(call, "req_id", None),
+                },
+            )
+
+
 def create_app(service: EncodeService, metrics: Metrics, settings: ServerSettings) -> Any:
     """Build the app serving ``service``; metrics count every answer."""
     app = QuartTrio(__name__)
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
-    limited = _BodyLimits(
-        app.asgi_app,
-        control_limit=settings.max_control_body_bytes,
-        budget=settings.max_bodies_in_flight_bytes,
-    )
-    app.asgi_app = limited  # type: ignore[method-assign]  # Quart's documented middleware hook
     install_error_handlers(app)
     expected = f"Bearer {settings.token}".encode() if settings.token else None
     sends_in_flight: Counter[str] = Counter()
     parsing = trio.CapacityLimiter(1)
     receivers = settings.receiver_policy
+    record = _Recorder(metrics, settings.access_log)
+    control_limit = settings.max_control_body_bytes
+    budget = settings.max_bodies_in_flight_bytes
 
     @app.before_request
     async def check_token() -> Response | None:
@@ -193,29 +414,19 @@ def create_app(service: EncodeService, metrics: Metrics, settings: ServerSetting
         given = request.headers.get("Authorization", "").encode()
         if hmac.compare_digest(given, expected):
             return None
-        return unauthorized()
+        return error_response(unauthorized())
 
     @app.before_request
     async def limit_body() -> None:
         if request.path in _IMAGE_ROUTES:
             return
-        limit = settings.max_control_body_bytes
-        if request.content_length is not None and request.content_length > limit:
-            raise TooLarge(f"{request.path} takes bodies of at most {limit} bytes")
-        request.max_content_length = limit  # what a 413 of Quart's own names
+        if request.content_length is not None and request.content_length > control_limit:
+            raise TooLarge(f"{request.path} takes bodies of at most {control_limit} bytes")
+        request.max_content_length = control_limit  # what a 413 of Quart's own names
 
     async def read_body() -> bytes:
         data: bytes = await request.get_data(cache=False, as_text=False, parse_form_data=False)
-        if request.scope.get(_OVER_BUDGET):
-            raise Overloaded(
-                f"request bodies in flight are at max_bodies_in_flight_bytes "
-                f"({settings.max_bodies_in_flight_bytes} bytes; one client at most half); "
-                "retry when some have been answered"
-            )
-        if request.scope.get(_CUT):
-            raise TooLarge(
-                f"{request.path} takes bodies of at most {settings.max_control_body_bytes} bytes"
-            )
+        _refuse_cut(request.scope, request.path, control_limit, budget)
         return data
 
     @app.after_request
@@ -223,19 +434,8 @@ def create_app(service: EncodeService, metrics: Metrics, settings: ServerSetting
         route = request.url_rule.rule if request.url_rule is not None else "other"
         # A request Quart refused before any before_request ran has no arrival time: 0 s.
         seconds = trio.current_time() - g.get("arrived", trio.current_time())
-        metrics.request_answered(route, response.status_code, seconds)
-        if settings.access_log:
-            access_log.info(
-                "answered",
-                extra={
-                    "method": request.method,
-                    "path": request.path,
-                    "status": response.status_code,
-                    "duration_ms": round(seconds * 1000, 3),
-                    "bytes": response.content_length or 0,
-                    "req_id": g.get("req_id"),
-                },
-            )
+        nbytes = response.content_length or 0
+        record(request.method, request.path, route, response.status_code, seconds, nbytes, g)
         return response
 
     def refuse_unless_allowed(host: str, what: str, req_id: str) -> None:
@@ -266,21 +466,18 @@ def create_app(service: EncodeService, metrics: Metrics, settings: ServerSetting
         )
         return jsonify(encode_answer(body, report))
 
-    @app.post("/scheduler_receive_meta_data")
-    async def pull() -> Response:
-        body = parse_body(PullRequest, await read_body())
-        g.req_id = body.req_id
+    async def pull(call: Any, raw: bytes, client: str) -> Answer:
+        body = parse_body(PullRequest, raw)
+        call.req_id = body.req_id
         report = await service.pull(body.req_id, receive_count=body.receive_count)
-        return jsonify(pull_answer(body, report))
+        return pull_answer(body, report)
 
-    @app.post("/send")
-    async def send() -> Response:
-        body = parse_body(SendRequest, await read_body())
-        g.req_id = body.req_id
+    async def send(call: Any, raw: bytes, client: str) -> Answer:
+        body = parse_body(SendRequest, raw)
+        call.req_id = body.req_id
         refuse_unless_allowed(receiver_host(body.session_id), "receiver", body.req_id)
         if body.endpoint is not None:  # its completion message goes there
             refuse_unless_allowed(body.endpoint.host, "prefill_host", body.req_id)
-        client = request.remote_addr or "unknown"
         if sends_in_flight[client] >= settings.max_sends_per_client:
             raise Overloaded(
                 f"this client already has {settings.max_sends_per_client} /send calls in "
@@ -301,43 +498,72 @@ def create_app(service: EncodeService, metrics: Metrics, settings: ServerSetting
             sends_in_flight[client] -= 1
             if not sends_in_flight[client]:
                 del sends_in_flight[client]
-        return jsonify(send_answer(body.req_id, report))
+        return send_answer(body.req_id, report)
 
-    def not_ready() -> Response | None:
-        """The 503 answer while the service cannot take requests; None when it can."""
+    def not_ready() -> RequestError | None:
+        """The 503 refusal while the service cannot take requests; None when it can."""
         if service.registry.closed:
-            return error_response(ShuttingDown("not ready: shutting down"))
+            return ShuttingDown("not ready: shutting down")
         if not service.ready:
-            return error_response(NotReady("not ready: the encoder is not loaded yet"))
+            return NotReady("not ready: the encoder is not loaded yet")
         return None
 
-    @app.get("/livez")
-    async def livez() -> Response:
+    async def livez(call: Any, raw: bytes, client: str) -> Answer:
         # Answering at all proves the process and its event loop are alive: nothing else is
         # checked, so draining or loading never gets the process restarted.
-        return jsonify({"status": "ok"})
+        return {"status": "ok"}
 
-    @app.get("/readyz")
-    async def readyz() -> Response:
-        return not_ready() or jsonify({"status": "ok"})
+    async def readyz(call: Any, raw: bytes, client: str) -> Answer:
+        return not_ready() or {"status": "ok"}
 
-    @app.get("/health")
-    async def health() -> Response:
+    async def health(call: Any, raw: bytes, client: str) -> Answer:
         refusal = not_ready()
         if refusal is not None:
             return refusal
         # Never the engine's session_id: whoever can reach the engine's port with it can
         # read and write the memory it registered (see docs/operations.md, Security).
-        return jsonify(
-            {
-                "status": "ok",
-                "live_scopes": len(service.registry),
-                "live_registrations": service.ledger.live_registrations,
-            }
-        )
+        return {
+            "status": "ok",
+            "live_scopes": len(service.registry),
+            "live_registrations": service.ledger.live_registrations,
+        }
+
+    routes = {
+        ("POST", "/scheduler_receive_meta_data"): _Route(pull, reads_body=True),
+        ("POST", "/send"): _Route(send, reads_body=True),
+        ("GET", "/livez"): _Route(livez, reads_body=False),
+        ("GET", "/readyz"): _Route(readyz, reads_body=False),
+        ("GET", "/health"): _Route(health, reads_body=False),
+    }
+    for (method, path), route in routes.items():
+        # Quart keeps each route too: its other methods (405, HEAD) are Quart's to answer.
+        app.add_url_rule(path, path, _quart_view(route, read_body), methods=[method])
 
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(metrics.render(), content_type=metrics.content_type)
 
+    fast = _FastRoutes(
+        app.asgi_app,
+        routes,
+        expected=expected,
+        body_timeout=float(app.config["BODY_TIMEOUT"]),
+        response_timeout=float(app.config["RESPONSE_TIMEOUT"]),
+        control_limit=control_limit,
+        budget=budget,
+        record=record,
+    )
+    limited = _BodyLimits(fast, control_limit=control_limit, budget=budget)
+    app.asgi_app = limited  # type: ignore[method-assign]  # Quart's documented middleware hook
     return app
+
+
+def _quart_view(route: _Route, read_body: Callable[[], Awaitable[bytes]]) -> Any:
+    """``route`` as a Quart view (for what reaches Quart: ``HEAD`` of a probe)."""
+
+    async def view() -> Response:
+        raw = await read_body() if route.reads_body else b""
+        answer = await route.handler(g, raw, request.remote_addr or "unknown")
+        return error_response(answer) if isinstance(answer, RequestError) else jsonify(answer)
+
+    return view

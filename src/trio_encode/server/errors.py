@@ -47,8 +47,8 @@ _HTTP_ERRORS: dict[int, tuple[type[RequestError], str]] = {
 }
 
 
-def error_response(error: RequestError) -> Response:
-    """The contract's answer for ``error``: its status, kind, message and headers."""
+def error_answer(error: RequestError) -> tuple[int, dict[str, Any], list[tuple[str, str]]]:
+    """The contract's answer for ``error``: its status, body and headers (on either path)."""
     body: dict[str, Any] = {
         "status": "error",
         "error": error.kind,
@@ -59,59 +59,74 @@ def error_response(error: RequestError) -> Response:
         body["engine_call"] = error.engine_call
         body["engine_code"] = error.engine_code
         body["engine_meaning"] = error.engine_meaning
-    response: Response = jsonify(body)
-    response.status_code = error.status
+    headers = []
     if error.retry_after is not None:
-        response.headers["Retry-After"] = str(error.retry_after)
+        headers.append(("Retry-After", str(error.retry_after)))
     if error.status == 401:
-        response.headers["WWW-Authenticate"] = "Bearer"
+        headers.append(("WWW-Authenticate", "Bearer"))
+    return error.status, body, headers
+
+
+def error_response(error: RequestError) -> Response:
+    """The contract's answer for ``error`` as Quart's response."""
+    status, body, headers = error_answer(error)
+    response: Response = jsonify(body)
+    response.status_code = status
+    for name, value in headers:
+        response.headers[name] = value
     return response
 
 
-def unauthorized() -> Response:
-    """The answer to a protected route called without the right token."""
-    return error_response(Unauthorized(_HTTP_ERRORS[401][1]))
+def unauthorized() -> RequestError:
+    """The failure of a protected route called without the right token."""
+    return Unauthorized(_HTTP_ERRORS[401][1])
+
+
+def http_failure(status: int, detail: str = "", *, name: str = "") -> RequestError:
+    """The failure for a status the HTTP layer itself detected (``detail`` ends its message;
+    ``name``: the message of a status the table does not name)."""
+    cls, message = _HTTP_ERRORS.get(status, (InternalError, name))
+    error = cls(message + detail)
+    error.status = status  # the layer's own status, also for one this table does not name
+    return error
+
+
+def failure_of(exc: Exception, call: Any) -> RequestError:
+    """What ``exc``, raised while serving the request whose facts ``call`` holds (its
+    ``req_id``), is answered with; logged here when it is the server's fault."""
+    if isinstance(exc, RequestError):
+        if exc.req_id is None:
+            exc.req_id = _req_id_of(call)
+        else:  # found in a body that failed to parse: the access log names it too
+            call.req_id = exc.req_id
+        if exc.status >= 500:
+            log.warning(
+                "%d %s: %s", exc.status, exc.kind, exc.message, extra={"req_id": exc.req_id}
+            )
+        return exc
+    if isinstance(exc, EngineError):  # the scope already logged and counted it
+        return EngineFailed.from_engine_error(exc, req_id=_req_id_of(call))
+    req_id = _req_id_of(call)
+    log.error("unexpected error", exc_info=exc, extra={"req_id": req_id})
+    return InternalError("internal server error (logged on the server)", req_id=req_id)
 
 
 def install_error_handlers(app: Any) -> None:
     """Register the handlers that turn every exception into a contract error answer."""
 
-    async def request_error(exc: RequestError) -> Response:
-        if exc.req_id is None:
-            exc.req_id = _current_req_id()
-        else:  # found in a body that failed to parse: the access log names it too
-            g.req_id = exc.req_id
-        if exc.status >= 500:
-            log.warning(
-                "%d %s: %s", exc.status, exc.kind, exc.message, extra={"req_id": exc.req_id}
-            )
-        return error_response(exc)
-
-    async def engine_error(exc: EngineError) -> Response:
-        # The scope already logged and counted it.
-        return error_response(EngineFailed.from_engine_error(exc, req_id=_current_req_id()))
+    async def request_error(exc: Exception) -> Response:
+        return error_response(failure_of(exc, g))
 
     async def http_error(exc: HTTPException) -> Response:
         status = exc.code or 500
-        cls, message = _HTTP_ERRORS.get(status, (InternalError, exc.name))
-        if status == 413:
-            message += _body_limit()
-        error = cls(message)
-        error.status = status  # Quart's own status, also for one this table does not name
-        return error_response(error)
-
-    async def unexpected(exc: Exception) -> Response:
-        req_id = _current_req_id()
-        log.error("unexpected error", exc_info=exc, extra={"req_id": req_id})
-        return error_response(
-            InternalError("internal server error (logged on the server)", req_id=req_id)
-        )
+        detail = _body_limit() if status == 413 else ""
+        return error_response(http_failure(status, detail, name=exc.name))
 
     # Quart picks the most specific class, so the catch-all only sees what nothing else maps.
     app.register_error_handler(RequestError, request_error)
-    app.register_error_handler(EngineError, engine_error)
+    app.register_error_handler(EngineError, request_error)
     app.register_error_handler(HTTPException, http_error)
-    app.register_error_handler(Exception, unexpected)
+    app.register_error_handler(Exception, request_error)
 
 
 def _body_limit() -> str:
@@ -121,7 +136,7 @@ def _body_limit() -> str:
     return f": at most {limit} bytes ({format_size(limit)})" if limit else ""
 
 
-def _current_req_id() -> str | None:
+def _req_id_of(call: Any) -> str | None:
     """The ``req_id`` of the body being served, when it was parsed far enough to have one."""
-    req_id = getattr(g, "req_id", None)
+    req_id = getattr(call, "req_id", None)
     return req_id if isinstance(req_id, str) else None

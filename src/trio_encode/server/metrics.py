@@ -297,6 +297,7 @@ class Metrics:
         self.exposed = Exposed(r)
         self._queue_depth: QueueDepth | None = None
         self._connection_failures: dict[str, int] = {}
+        self._answered: dict[tuple[str, int], tuple[Any, Any]] = {}
         self.exposed.log_lines_dropped.set_function(dropped_log_lines)
         self.exposed.encoder_queue_images.set_function(
             lambda: self._queue_depth.queued_images if self._queue_depth is not None else 0
@@ -339,8 +340,16 @@ class Metrics:
         return self._connection_failures[kind]
 
     def request_answered(self, route: str, status: int, seconds: float) -> None:
-        self.exposed.requests_total.labels(route=route, status=str(status)).inc()
-        self.exposed.request_seconds.labels(route=route).observe(seconds)
+        # Each (route, status)'s series looked up once: a label look-up per answer cost more
+        # than the count. Routes are the app's rules (or "other") and statuses a few codes.
+        series = self._answered.get((route, status))
+        if series is None:
+            series = self._answered[route, status] = (
+                self.exposed.requests_total.labels(route=route, status=str(status)),
+                self.exposed.request_seconds.labels(route=route),
+            )
+        series[0].inc()
+        series[1].observe(seconds)
 
     def timed(self, encoder: Encoder) -> Encoder:
         """``encoder`` with every run timed into ``encode_seconds``; its queue depth is read

@@ -147,7 +147,7 @@ async def _one_path(model: CostModel, path: str, nbytes: int, tp: int, requests:
             for index in range(requests):
                 req_id = f"model-{index}"
                 async with opening:
-                    scope = registry.find_live(req_id)
+                    scope = registry.live(req_id)
                     if scope is None:
                         scope = await registry.open(req_id, receive_count=tp, encode=encode)
                         scopes.append(scope)

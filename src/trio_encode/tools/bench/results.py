@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from trio_encode.tools.bench.settings import ENCODER_TARGET
+
+if TYPE_CHECKING:
+    from trio_encode.tools.bench.calls import CallsResult
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -127,6 +130,32 @@ class ProbeRow:
 
 
 @dataclass(frozen=True)
+class BuildRow:
+    """One embedding size at one TP: served /send of this build and of the baseline, each in a
+    process of its own, alternating; CPU is each server process's, per transfer."""
+
+    nbytes: int
+    tp: int
+    this: Rate
+    baseline: Rate
+    this_cpu_seconds: float
+    baseline_cpu_seconds: float
+    transfers: int
+    """Transfers (req_ids x ranks) each side made, over all rounds."""
+    this_rates: tuple[float, ...] = ()
+    baseline_rates: tuple[float, ...] = ()
+    """Bytes/s of each round."""
+
+    @property
+    def ratio(self) -> float:
+        """This build's goodput over the baseline's."""
+        return self.this.per_second / self.baseline.per_second
+
+    def cpu_ms(self, seconds: float) -> float:
+        return 1000 * seconds / self.transfers
+
+
+@dataclass(frozen=True)
 class BenchResult:
     model_id: str
     rounds: int
@@ -139,9 +168,18 @@ class BenchResult:
     """Registrations the servers held at the end beyond their arenas (0 unless a leak)."""
     scopes_left: int
     seconds: float
+    calls: CallsResult | None = None
+    """The HTTP rows (``--http``)."""
+    builds: list[BuildRow] = field(default_factory=list)
+    """The /send rows against another build (``--baseline``)."""
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
+        if self.calls is not None:
+            for route in sorted({row.route for row in self.calls.rows}):
+                data["calls"].setdefault("ratios", {})[route] = self.calls.ratios(route)
+        for build, out in zip(self.builds, data["builds"], strict=True):
+            out["ratio"] = build.ratio
         for row, out in zip(self.transfers, data["transfers"], strict=True):
             out["served_over_raw"] = row.served_over_raw
             out["served_over_peer"] = row.served_over_peer
@@ -204,6 +242,27 @@ class BenchResult:
                 f"answered 200, p99 {h.p99_seconds * 1000:.1f} ms, max "
                 f"{h.max_seconds * 1000:.1f} ms"
             )
+        if self.builds:
+            lines += [
+                "",
+                "/send of this build against the baseline, each server in its own process "
+                "(arena on), alternating rounds; CPU: the server process's per transfer",
+                f"{'embedding':>10}{'TP':>4}{'this':>12}{'baseline':>12}{'ratio':>8}"
+                f"{'rounds this':>26}{'rounds baseline':>26}{'ms CPU':>14}",
+            ]
+        for b in self.builds:
+            rounds = [
+                "/".join(f"{rate / 1e6:.0f}" for rate in rates)
+                for rates in (b.this_rates, b.baseline_rates)
+            ]
+            cpu = f"{b.cpu_ms(b.this_cpu_seconds):.2f}/{b.cpu_ms(b.baseline_cpu_seconds):.2f}"
+            lines.append(
+                f"{size_text(b.nbytes):>10}{b.tp:>4}{size_text(b.this.per_second) + '/s':>12}"
+                f"{size_text(b.baseline.per_second) + '/s':>12}{b.ratio:>8.2f}"
+                f"{rounds[0] + ' MB/s':>26}{rounds[1] + ' MB/s':>26}{cpu:>14}"
+            )
+        if self.calls is not None:
+            lines.append(self.calls.table())
         lines.append(
             f"memory: peak RSS {self.peak_rss_bytes / 2**20:.0f} MiB; left at the end: "
             f"{self.registrations_left} registrations besides the arenas, "

@@ -50,6 +50,8 @@ from trio_encode.server.metrics import Metrics
 from trio_encode.server.serve import RunningServer, open_server
 from trio_encode.settings import ServerSettings
 from trio_encode.testing.images import mixed_jpegs, natural_jpegs
+from trio_encode.tools.bench.calls import Build, ServerProcess, run_calls
+from trio_encode.tools.bench.calls import open_server as open_process_server
 from trio_encode.tools.bench.load import (
     LoadConfig,
     LoadProcess,
@@ -71,6 +73,7 @@ from trio_encode.tools.bench.phases import (
 )
 from trio_encode.tools.bench.results import (
     BenchResult,
+    BuildRow,
     EncoderRow,
     ProbeRow,
     Rate,
@@ -142,8 +145,20 @@ async def _leftovers(served: _Served) -> tuple[int, int]:
     return left
 
 
+@asynccontextmanager
+async def _build_server(
+    build: Build, nbytes: int, progress: Progress
+) -> AsyncIterator[tuple[ServerProcess, EncodeClient]]:
+    """``build``'s server of /send rows in a process of its own (arena on), and a client."""
+    async with (
+        open_process_server(build.name, ["send", str(nbytes), "arena"], build) as process,
+        EncodeClient(url := f"http://127.0.0.1:{process.port}", http=http_client(url)) as client,
+    ):
+        yield process, client
+
+
 async def _transfer_rows(
-    config: BenchConfig, progress: Progress
+    config: BenchConfig, progress: Progress, builds: list[BuildRow]
 ) -> tuple[list[TransferRow], int, int]:
     sizes = [tokens_for(size) * ROW_BYTES for size in config.sizes]
     engine = await MooncakeEngine.create(config.engine)
@@ -170,7 +185,7 @@ async def _transfer_rows(
         for nbytes in sizes:
             rows += await _rows_for_size(
                 config, progress, engine, int(source.data_ptr()), load, peer_url, peer_http,
-                nbytes, left,
+                nbytes, left, builds,
             )  # fmt: skip
     return rows, left[0], left[1]
 
@@ -185,6 +200,7 @@ async def _rows_for_size(
     peer_http: httpx.AsyncClient,
     nbytes: int,
     left: list[int],
+    builds: list[BuildRow],
 ) -> list[TransferRow]:
     window = window_for(nbytes, config.transfer_requests)
     count = config.transfer_requests
@@ -200,6 +216,14 @@ async def _rows_for_size(
             )
             for arena in config.arena_modes
         ]
+        others = []
+        if config.baseline is not None:
+            for build in (Build.this(), Build.at(config.baseline)):
+                progress.say(f"transfer {size_text(nbytes)}: starting {build.name}'s server")
+                others.append(
+                    await stack.enter_async_context(_build_server(build, nbytes, progress))
+                )
+        compared: dict[int, list[tuple[float, float, float, float]]] = {tp: [] for tp in config.tps}
         for round_ in range(config.rounds):
             for tp in config.tps:
                 name = f"{size_text(nbytes)} TP={tp} round {round_ + 1}/{config.rounds}"
@@ -223,6 +247,21 @@ async def _rows_for_size(
                     )
                     if await server.value("transfer_bytes_total") != landed:
                         raise RuntimeError("a repeated /send moved bytes: the http ms are wrong")
+                if others:
+                    seconds_cpu: list[tuple[float, float]] = []
+                    # Alternate which build goes first, round by round.
+                    for process, client in others[:: 1 if round_ % 2 == 0 else -1]:
+                        url = f"http://127.0.0.1:{process.port}"
+                        progress.say(f"transfer {name}: {process.name}")
+                        req_ids = [
+                            f"c{round_}-{tp}-{nbytes}-{i}-{process.name}" for i in range(count)
+                        ]
+                        before = process.cpu_seconds()
+                        seconds = await served_sends(client, load, url, tp, req_ids, nbytes)
+                        seconds_cpu.append((seconds, process.cpu_seconds() - before))
+                    if round_ % 2:
+                        seconds_cpu.reverse()
+                    compared[tp].append((*seconds_cpu[0], *seconds_cpu[1]))
                 if peer_url is not None:
                     progress.say(f"transfer {name}: peer")
                     req_ids = [f"p{round_}-{tp}-{nbytes}-{i}" for i in range(count)]
@@ -236,6 +275,21 @@ async def _rows_for_size(
     rows = []
     for tp in config.tps:
         moved = config.rounds * count * tp * nbytes
+        if others:
+            pairs = compared[tp]
+            builds.append(
+                BuildRow(
+                    nbytes=nbytes,
+                    tp=tp,
+                    this=Rate(moved, sum(p[0] for p in pairs)),
+                    baseline=Rate(moved, sum(p[2] for p in pairs)),
+                    this_cpu_seconds=sum(p[1] for p in pairs),
+                    baseline_cpu_seconds=sum(p[3] for p in pairs),
+                    transfers=config.rounds * count * tp,
+                    this_rates=tuple(count * tp * nbytes / p[0] for p in pairs),
+                    baseline_rates=tuple(count * tp * nbytes / p[2] for p in pairs),
+                )
+            )
         for arena in config.arena_modes:
             rows.append(
                 TransferRow(
@@ -397,11 +451,13 @@ async def run_bench(config: BenchConfig) -> BenchResult:
     started = time.perf_counter()
     progress = Progress(config.progress)
     transfers: list[TransferRow] = []
+    builds: list[BuildRow] = []
     registrations_left = scopes_left = 0
-    if not config.vlm:
-        transfers, registrations_left, scopes_left = await _transfer_rows(config, progress)
+    calls = await run_calls(config, progress) if config.http else None
+    if not config.vlm and not config.http:
+        transfers, registrations_left, scopes_left = await _transfer_rows(config, progress, builds)
     model_id, encoder, health = "", None, None
-    if config.encoder_rows or config.vlm:
+    if (config.encoder_rows or config.vlm) and not config.http:
         model_id, encoder, health, left = await _encoder_rows(config, progress)
         registrations_left += left[0]
         scopes_left += left[1]
@@ -416,6 +472,8 @@ async def run_bench(config: BenchConfig) -> BenchResult:
         registrations_left=registrations_left,
         scopes_left=scopes_left,
         seconds=time.perf_counter() - started,
+        calls=calls,
+        builds=builds,
     )
     if config.plots is not None:
         from trio_encode.tools.bench.plots import write_plots

@@ -19,6 +19,11 @@ from trio_encode.sizes import ByteSize
 
 ENCODER_TARGET = 0.9
 """The served/raw encoder throughput a serving path should keep."""
+FLOOR_TARGET = 1.3
+"""The most server CPU per call (pulls, /send, /health) ours may cost over the floor's (hypercorn
+with a one-line ASGI app)."""
+PEER_TARGET = 0.5
+"""The least calls/s (pulls, /send, /health) ours should answer against the SGLang-style server."""
 
 ArenaMode = Literal["both", "on", "off"]
 _ARENA_MODES: dict[str, tuple[bool, ...]] = {"both": (True, False), "on": (True,), "off": (False,)}
@@ -80,6 +85,21 @@ class BenchConfig:
     cores)."""
     plots: Path | None = bench_setting(None)
     """Write PNG plots of the /send ratios into this directory."""
+    http: bool = bench_setting(False)
+    """Only the HTTP rows: calls/s and server CPU per call of pulls, /send (a stand-in engine),
+    /health and a sibling's /encode, ours beside hypercorn with a one-line app (the floor of our
+    fixed stack) and an SGLang-style FastAPI/uvicorn server (needs the bench extra)."""
+    http_seconds: float = bench_setting(1.0, gt=0)
+    """Seconds each server is called per route and round in the HTTP rows."""
+    http_clients: int = bench_setting(2, gt=0)
+    """Client processes of the HTTP rows."""
+    http_connections: int = bench_setting(4, gt=0)
+    """Keep-alive connections of each client process of the HTTP rows."""
+    baseline: Path | None = bench_setting(None)
+    """Also measure another build of trio-encode in the same run, alternating: a source tree (with
+    src/trio_encode) or a Python interpreter that has it installed. The HTTP rows get its server
+    as one more column; the /send rows its served /send (arena on) beside this build's, both in
+    processes of their own."""
     progress: bool = bench_setting(True)
     """Report each phase on stderr."""
 
