@@ -47,7 +47,14 @@ def hostile(session: nox.Session) -> None:
     memory and an honest rank's bytes checked throughout (a few minutes on 2 cores). The short
     sample of each case runs in ``tests``."""
     _install(session, "mooncake", "hf", "bench", "group:tests")
-    session.run("pytest", "-m", "hostile", "tests/hostile", *session.posargs)
+    session.run(
+        "pytest",
+        "-m",
+        "hostile",
+        "tests/hostile",
+        "tests/test_isolation_processes.py",
+        *session.posargs,
+    )
 
 
 @nox.session(python=PYTHON)

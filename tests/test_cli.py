@@ -243,7 +243,8 @@ def test_encoder_settings_that_do_not_fit_together_are_a_usage_error(
 ) -> None:
     result = CliRunner().invoke(cli, ["serve", "--image-size", "100", "--patch-size", "16"])
     assert result.exit_code == 2
-    assert "not a multiple of patch_size" in result.output
+    # Named as typed: the flags, not the settings' names.
+    assert "--image-size 100 is not a multiple of --patch-size 16" in result.output
     assert "Traceback" not in result.output
     assert not captured
 
@@ -435,3 +436,13 @@ def test_demo_without_the_arena_registers_each_image_once() -> None:
     assert rows["registrations made by requests"] == "6"
     assert rows["registrations released by requests"] == "6"
     assert rows["registrations live at the end"] == "0"
+
+
+@pytest.mark.parametrize("command", sorted(cli.commands))
+def test_help_shows_no_docstring_markup(command: str) -> None:
+    """Help text comes from docstrings; the reStructuredText they carry for the docs site
+    must not reach a terminal."""
+    result = CliRunner().invoke(cli, [command, "--help"], terminal_width=100)
+    assert result.exit_code == 0, result.output
+    for markup in ("``", ":func:", ":mod:", ":class:", ":meth:"):
+        assert markup not in result.output, f"{command} --help shows {markup!r}"

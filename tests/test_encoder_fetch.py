@@ -5,6 +5,7 @@ a test says so)."""
 from __future__ import annotations
 
 import ipaddress
+from functools import partial
 
 import pytest
 import torch
@@ -164,3 +165,24 @@ async def test_the_encoder_fetches_urls_in_order_and_decodes_them_under_the_same
 def test_a_malformed_private_network_is_a_settings_error() -> None:
     with pytest.raises(ValueError, match="does not appear to be an IPv4 or IPv6 network"):
         EncoderSettings(remote_private_networks=("10.0.0.0/33",))
+
+
+async def test_an_https_url_on_a_plain_http_server_says_why_it_failed() -> None:
+    """A plain-HTTP server answers a TLS hello with a 400 in clear text and closes; the
+    handshake fails with an empty message on top of the ``SSLError`` that says why."""
+
+    async def plain_http(stream: trio.SocketStream) -> None:
+        async with stream:
+            await stream.receive_some(4096)  # the TLS ClientHello
+            await stream.send_all(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(partial(trio.serve_tcp, plain_http, 0, host="127.0.0.1"))
+        port = listeners[0].socket.getsockname()[1]
+        with pytest.raises(InvalidInput) as raised:
+            await fetcher(private_networks=LOOPBACK).fetch(f"https://127.0.0.1:{port}/a.png")
+        nursery.cancel_scope.cancel()
+    assert raised.value.message == (
+        f"cannot fetch https://127.0.0.1:{port}/a.png: TLS handshake failed: "
+        "WRONG_VERSION_NUMBER (is it a plain-HTTP server?)"
+    )

@@ -1,7 +1,8 @@
 """``trio-encode``: ``serve`` runs the encode server; ``demo`` proves a whole round trip;
 ``bench`` measures the served paths against their raw parts; ``soak`` runs thousands of
 requests against a server process while ranks freeze and die and clients vanish;
-``make-tiny-model`` saves a small random-weight model to try ``serve --model`` with.
+``make-tiny-model`` saves a small random-weight model to try ``serve --model`` with;
+``receive`` runs a Mooncake receiver to try ``/send`` by hand.
 
 No setting is declared here: each command's options are generated from its settings models
 (:mod:`trio_encode.options`), so the commands only build their settings and run. Nothing heavy
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
     from trio_encode.tools.bench.settings import BenchConfig
     from trio_encode.tools.demo import DemoSettings
     from trio_encode.tools.fleet_demo import FleetDemoConfig
+    from trio_encode.tools.receive import ReceiveSettings
     from trio_encode.tools.soak.run import SoakConfig
 
 
@@ -67,6 +69,12 @@ def _fleet_config() -> type[FleetDemoConfig]:
     from trio_encode.tools.fleet_demo import FleetDemoConfig
 
     return FleetDemoConfig
+
+
+def _receive_settings() -> type[ReceiveSettings]:
+    from trio_encode.tools.receive import ReceiveSettings
+
+    return ReceiveSettings
 
 
 def _soak_config() -> type[SoakConfig]:
@@ -223,7 +231,7 @@ def soak(json_path: Path | None, **options: Any) -> None:
     """Run thousands of requests against a real server while ranks freeze and die, clients
     vanish and the engine fails calls; check every answer, byte, deadline and leak.
 
-    The server (``trio-encode serve``) and every receiver run in processes of their own. Prints
+    The server (trio-encode serve) and every receiver run in processes of their own. Prints
     a table; exits non-zero if any check failed. Several minutes with the defaults.
     """
     from trio_encode.logs import setup_logging
@@ -242,6 +250,34 @@ def soak(json_path: Path | None, **options: Any) -> None:
     click.echo(result.table())
     if not result.ok:
         raise SystemExit(1)
+
+
+@cli.command(cls=GroupedCommand)
+@model_options(_receive_settings)
+@server_options("engine")
+def receive(**options: Any) -> None:
+    """Run a Mooncake receiver from a shell, to try /send by hand: one registered buffer.
+
+    Prints its session_id, buffer address and length, with curl lines for /encode and /send
+    against --server; then, for each landing, its length and the checksum of its bytes (the
+    form of the checksum in the /encode and /send answers). Ctrl-C stops it.
+    """
+    from trio_encode.logs import setup_logging
+    from trio_encode.settings import model_fields
+
+    setup_logging("WARNING")
+    model = _receive_settings()
+    own = given(options, model_fields(model))
+    config: ReceiveSettings = build(model, own)
+    settings = load_settings(given(options, set(options) - set(own)))
+    from trio_encode.tools.receive import run_receive
+
+    _run(run_receive, settings.engine, config)
+    # As the demo: leave without the engine's destructor, which logs an error about the
+    # buffer it no longer holds and takes a second; the receiver deregistered it already.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @cli.command(

@@ -16,7 +16,17 @@ from typing import Any, Literal, Protocol, get_args
 from pydantic import ConfigDict, Field
 
 Group = Literal[
-    "demo", "bench", "fleet", "soak", "server", "engine", "model", "batching", "cache", "logging"
+    "demo",
+    "bench",
+    "fleet",
+    "soak",
+    "receive",
+    "server",
+    "engine",
+    "model",
+    "batching",
+    "cache",
+    "logging",
 ]
 """The sections of ``--help``, in the order they are shown (a command's own first)."""
 GROUPS: tuple[Group, ...] = get_args(Group)

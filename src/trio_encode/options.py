@@ -11,8 +11,10 @@ flag, before anything starts.
 
 from __future__ import annotations
 
+import re
 import typing
 from collections.abc import Callable, Iterable
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -218,9 +220,55 @@ def load_settings(flags: dict[str, Any], **overrides: Any) -> ServerSettings:
     try:
         return ServerSettings(**{**flags, **overrides})
     except ValidationError as error:
-        raise click.UsageError(_validation_message(error, describe_error)) from error
+        named = _names_as_typed(flags)
+        where = partial(_where_typed, named, describe_error)
+        raise click.UsageError(_validation_message(error, where, named)) from error
     except SettingsError as error:
         raise click.UsageError(str(error)) from error
+
+
+def _names_as_typed(flags: dict[str, Any]) -> dict[str, str]:
+    """Each setting the user set on the command line or in a ``TRIO_ENCODE_*`` variable, by
+    flat name: what they typed to set it (``--allowed-receivers``, or
+    ``TRIO_ENCODE_ALLOWED_RECEIVERS``), so that an error names it as they know it."""
+    import os
+
+    from trio_encode.settings import catalog
+
+    typed: dict[str, str] = {}
+    for entry in catalog():
+        if entry.name in flags:
+            typed[entry.name] = entry.flag
+        elif entry.env and os.environ.get(entry.env, "") != "":
+            typed[entry.name] = entry.env
+    return typed
+
+
+def _where_typed(
+    named: dict[str, str],
+    describe: Callable[[tuple[int | str, ...]], str],
+    loc: tuple[int | str, ...],
+) -> str:
+    """Where the value an error points at was set: the flag or variable the user typed,
+    else every place it could be set (the config file, or a default another value broke)."""
+    from trio_encode.settings import SECTIONS
+
+    names = [str(part) for part in loc]
+    flat = SECTIONS[names[0]][1] + names[1] if len(names) >= 2 and names[0] in SECTIONS else None
+    flat = flat or (names[0] if names and names[0] not in SECTIONS else None)
+    return named[flat] if flat in named else describe(loc)
+
+
+def _in_typed_terms(message: str, named: dict[str, str]) -> str:
+    """``message`` with each setting the user typed named as they typed it: its flag or its
+    variable, where the message says ``allowed_receivers`` or ``--allowed-receivers``."""
+    from trio_encode.settings import flag_of
+
+    for name, typed in named.items():
+        flag = flag_of(name)
+        message = re.sub(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", typed, message)
+        message = re.sub(rf"(?<![\w./-]){re.escape(name)}(?![\w/-])", typed, message)
+    return message
 
 
 def build(model: Callable[..., Any], flags: dict[str, Any], **values: Any) -> Any:
@@ -237,10 +285,14 @@ def build(model: Callable[..., Any], flags: dict[str, Any], **values: Any) -> An
 
 
 def _validation_message(
-    error: ValidationError, where: Callable[[tuple[int | str, ...]], str]
+    error: ValidationError,
+    where: Callable[[tuple[int | str, ...]], str],
+    named: dict[str, str] | None = None,
 ) -> str:
     lines = []
     for problem in error.errors():
         message = problem["msg"].removeprefix("Value error, ")
+        if named:
+            message = _in_typed_terms(message, named)
         lines.append(f"invalid {where(problem['loc'])}: {message}")
     return "\n".join(lines)

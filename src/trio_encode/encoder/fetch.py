@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -175,7 +176,7 @@ class RemoteFetcher:
                     raise InvalidInput(f"fetching {_short(url)} got HTTP {response.status_code}")
                 return await _read(url, response, limit), None
         except httpx.HTTPError as exc:
-            raise InvalidInput(f"cannot fetch {_short(url)}: {exc or type(exc).__name__}") from None
+            raise InvalidInput(f"cannot fetch {_short(url)}: {_reason(exc, parsed)}") from None
 
 
 async def _read(url: str, response: httpx.Response, limit: int) -> bytes:
@@ -213,6 +214,23 @@ async def _resolve(host: str, port: int) -> list[IPAddress]:
     if not addresses:
         raise InvalidInput(f"host {host!r} has no address")
     return addresses
+
+
+def _reason(exc: BaseException, url: httpx.URL) -> str:
+    """Why a fetch failed, in words: httpx's own message is often empty (a TLS handshake
+    that fails wraps an empty ``BrokenResourceError`` around the ``SSLError`` that says
+    why), so the first non-empty message down the chain of causes is taken."""
+    chain: list[BaseException] = []
+    cause: BaseException | None = exc
+    while cause is not None and cause not in chain:
+        chain.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    tls = next((c for c in chain if isinstance(c, ssl.SSLError)), None)
+    if tls is not None and url.scheme == "https":
+        hint = " (is it a plain-HTTP server?)" if "WRONG_VERSION_NUMBER" in str(tls) else ""
+        return f"TLS handshake failed: {tls.reason or tls}{hint}"
+    said = next((str(c) for c in chain if str(c)), "")
+    return said or f"{type(exc).__name__} (no message)"
 
 
 def _too_big(url: str, size: str, limit: int) -> str:

@@ -12,6 +12,7 @@ and std are then exactly those the model was trained with, and no rule is restat
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 from dataclasses import KW_ONLY, asdict, dataclass
@@ -92,12 +93,12 @@ class HFVisionBackend:
         model_class = getattr(transformers, kind.model_class)
         self.module = (
             model_class.from_pretrained(str(model_dir), local_files_only=True)
-            .to(TORCH_DTYPES[settings.dtype])
+            .to(TORCH_DTYPES[settings.model_dtype])
             .eval()
             .requires_grad_(False)
         )
         vision = self.module.config
-        self.dtype = TORCH_DTYPES[settings.dtype]
+        self.dtype = TORCH_DTYPES[settings.model_dtype]
         self._drop_cls = kind.drops_cls
         self._feature_layer = settings.feature_layer
         self.tokens_per_image = (int(vision.image_size) // int(vision.patch_size)) ** 2
@@ -108,7 +109,7 @@ class HFVisionBackend:
         self.preprocess = Preprocess(image_size=side, prepare=prepare)
         self.model_id = (
             f"hf({model_dir.resolve()},{model_type},layer={settings.feature_layer},"
-            f"{settings.dtype})"
+            f"{settings.model_dtype})"
         )
         shape = {
             "config": config,
@@ -116,7 +117,7 @@ class HFVisionBackend:
             "preprocess": asdict(self.preprocess),
         }
         self.fingerprint = model_fingerprint(
-            f"hf-{model_type}", shape, settings.dtype, weights_digest(self.module)
+            f"hf-{model_type}", shape, settings.model_dtype, weights_digest(self.module)
         )
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
@@ -159,11 +160,83 @@ def load_hf_model(settings: EncoderSettings) -> VisionModel:
                 "serve a VLM directory to run on a GPU"
             )
         return FixedShape(HFVisionBackend(settings))
+    raise _unsupported(settings.model, model_type)
+
+
+def _unsupported(model_dir: Path, model_type: str) -> ValueError:
+    from trio_encode.encoder.vlm import FAMILIES
+
     supported = ", ".join(sorted([*FAMILIES, *_KINDS]))
-    raise ValueError(
-        f"{settings.model} holds a {model_type or 'untyped'} model; supported model types: "
-        f"{supported}"
+    return ValueError(
+        f"{model_dir} holds a {model_type or 'untyped'} model; supported model types: {supported}"
     )
+
+
+_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
+"""A model's weights, in one file; sharded, ``NAME.index.json`` lists the files."""
+
+
+def check_model_dir(model_dir: Path) -> None:
+    """Refuse, at start and in a second, a model directory that :func:`load_hf_model` would
+    fail on later: no readable ``config.json``, an unsupported ``model_type``, no weights (a
+    config-only download), a shard its index lists but the directory lacks, or a safetensors
+    file shorter than its own header says (an interrupted download). Reads headers only; a
+    missing extra is named first, as loading would (found, not imported: that takes seconds)."""
+    from trio_encode.encoder.vlm import FAMILIES
+
+    if importlib.util.find_spec("transformers") is None:
+        _transformers()
+    config = _read_json(model_dir / "config.json")
+    model_type = str(config.get("model_type", ""))
+    if model_type not in FAMILIES and model_type not in _KINDS:
+        raise _unsupported(model_dir, model_type)
+    files: list[Path] = []
+    for name in _WEIGHTS:
+        index = model_dir / f"{name}.index.json"
+        if index.exists():
+            weight_map = _read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise ValueError(f"{index} has no weight_map")
+            files += [model_dir / str(shard) for shard in sorted(set(weight_map.values()))]
+        elif (model_dir / name).exists():
+            files.append(model_dir / name)
+    if not files:
+        raise ValueError(
+            f"{model_dir} has a config but no weights (neither of {', '.join(_WEIGHTS)}, nor "
+            "their .index.json with its shards): download the whole model, not its config only"
+        )
+    for file in files:
+        if not file.is_file():
+            raise ValueError(f"{file} is missing (its index lists it): an incomplete download?")
+        if file.suffix == ".safetensors":
+            _check_safetensors(file)
+
+
+def _check_safetensors(path: Path) -> None:
+    """The file holds its header and every byte the header says its tensors span."""
+    size = path.stat().st_size
+    with path.open("rb") as file:
+        head = file.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if length < 2 or 8 + length > size:
+            raise ValueError(f"{path} is not a safetensors file (truncated or corrupt)")
+        try:
+            header = json.loads(file.read(length))
+        except ValueError:
+            header = None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path} has an unreadable safetensors header (truncated or corrupt)")
+    ends = [
+        int(entry["data_offsets"][1])
+        for name, entry in header.items()
+        if name != "__metadata__" and isinstance(entry, dict) and "data_offsets" in entry
+    ]
+    needed = 8 + length + max(ends, default=0)
+    if size < needed:
+        raise ValueError(
+            f"{path} is {size} bytes; its header describes {needed}: truncated (an "
+            "interrupted download?)"
+        )
 
 
 def _image_processor(transformers: Any, model_dir: Path, kind: _Kind, image_size: int) -> Any:

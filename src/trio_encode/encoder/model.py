@@ -103,7 +103,7 @@ def build_model(settings: EncoderSettings) -> VisionEncoder:
         _load_weights(model, settings.weights)
     else:
         _init_weights(model, settings.seed)
-    return model.to(TORCH_DTYPES[settings.dtype]).eval().requires_grad_(False)
+    return model.to(TORCH_DTYPES[settings.model_dtype]).eval().requires_grad_(False)
 
 
 def _init_weights(model: VisionEncoder, seed: int) -> None:
@@ -176,7 +176,7 @@ class BuiltinBackend:
             )
         self.module = build_model(settings)
         self._run = compile_forward(self.module)
-        self.dtype = TORCH_DTYPES[settings.dtype]
+        self.dtype = TORCH_DTYPES[settings.model_dtype]
         self.tokens_per_image = self.module.tokens
         self.hidden_size = settings.hidden_size
         self.preprocess = Preprocess(image_size=settings.image_size)
@@ -188,7 +188,7 @@ class BuiltinBackend:
         self.model_id = (
             f"builtin-vit(image={settings.image_size},patch={settings.patch_size},"
             f"width={settings.width},depth={settings.depth},heads={settings.heads},"
-            f"mlp={settings.mlp_ratio},hidden={settings.hidden_size},{settings.dtype},{origin})"
+            f"mlp={settings.mlp_ratio},hidden={settings.hidden_size},{settings.model_dtype},{origin})"
         )
         config = {
             "image_size": settings.image_size,
@@ -201,7 +201,7 @@ class BuiltinBackend:
             "preprocess": asdict(self.preprocess),
         }
         self.fingerprint = model_fingerprint(
-            "builtin-vit", config, settings.dtype, weights_digest(self.module)
+            "builtin-vit", config, settings.model_dtype, weights_digest(self.module)
         )
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:

@@ -8,9 +8,10 @@ same name.
 from __future__ import annotations
 
 import ipaddress
+import json
 import re
 from pathlib import Path
-from typing import Annotated, Literal, Self
+from typing import Annotated, Literal, Self, cast, get_args
 
 from pydantic import AfterValidator, BeforeValidator, model_validator
 from pydantic.dataclasses import dataclass
@@ -19,6 +20,8 @@ from trio_encode.declare import SETTINGS, comma_separated, in_group, secret_in_f
 from trio_encode.sizes import ByteSize, MiB
 
 DType = Literal["float32", "bfloat16", "float16"]
+"""The dtypes a model runs in and its embeddings are sent as."""
+DTypeChoice = Literal[DType, "auto"]
 
 
 def _existing_dir(path: Path) -> Path:
@@ -95,8 +98,10 @@ class EncoderSettings:
     hidden_size: int = model_setting(2048, gt=0)
     """Built-in ViT: the language model's hidden size, the width of every embedding row sent to
     prefill ranks (the projector's output). A model directory's config gives its own."""
-    dtype: DType = model_setting("float32")
-    """Dtype of the model and of the embeddings sent; bfloat16 or float16 halve the bytes moved."""
+    dtype: DTypeChoice = model_setting("auto")
+    """Dtype of the model and of the embeddings sent; bfloat16 or float16 halve the bytes moved.
+    auto: a model directory's own (its config's torch_dtype, as SGLang's --dtype auto), float32
+    for the built-in ViT or a config that names none."""
     device: Device = model_setting("cpu")
     """Where the forward runs: cpu or cuda:N. On CUDA the embeddings are copied into the arena
     (pinned host memory) asynchronously, and the copy completes before any send reads them."""
@@ -212,8 +217,8 @@ class EncoderSettings:
             if given:
                 raise ValueError(
                     f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only to the "
-                    f"built-in ViT; the model directory "
-                    f"{self.model} decides its own (drop them)"
+                    f"built-in ViT, not to model {self.model}, whose config decides (drop "
+                    f"{'it' if len(given) == 1 else 'them'})"
                 )
         elif _differs(self, "feature_layer"):
             raise ValueError("feature_layer only applies with model (a CLIP/SigLIP tower)")
@@ -230,6 +235,16 @@ class EncoderSettings:
         return self
 
     @property
+    def model_dtype(self) -> DType:
+        """The dtype the model runs in: ``dtype``, with ``auto`` resolved (reads the model
+        directory's ``config.json``; a :class:`ValueError` names a dtype it cannot serve)."""
+        if self.dtype != "auto":
+            return self.dtype
+        if self.model is None:
+            return "float32"
+        return config_dtype(self.model / "config.json")
+
+    @property
     def store_secret(self) -> bytes | None:
         """The fleet's secret read from ``store_key_file``, or None without one."""
         secret: bytes | None = self.__dict__["_store_secret"]
@@ -244,6 +259,32 @@ class EncoderSettings:
         if self.width % self.heads:
             raise ValueError(f"width {self.width} is not divisible by heads {self.heads}")
         return self
+
+
+def config_dtype(path: Path) -> DType:
+    """The dtype a model's ``config.json`` names (``dtype``, or ``torch_dtype`` as older
+    transformers write it; a VLM's may only be in its ``text_config``); float32 if none,
+    which is what transformers loads such a model in."""
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read {path}: {exc}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} does not hold a JSON object")
+    for place in (config, config.get("text_config")):
+        if not isinstance(place, dict):
+            continue
+        named = place.get("dtype") or place.get("torch_dtype")
+        if named is None:
+            continue
+        name = str(named).removeprefix("torch.")
+        if name not in get_args(DType):
+            raise ValueError(
+                f"{path} names dtype {name!r}, which is not served (with dtype auto); "
+                f"choose one with dtype: {', '.join(get_args(DType))}"
+            )
+        return cast(DType, name)
+    return "float32"
 
 
 def _differs(settings: EncoderSettings, name: str) -> bool:

@@ -161,7 +161,7 @@ class VLMVisionModel:
         transformers = _transformers()
         model_type = str(config_json["model_type"])
         self.family = FAMILIES[model_type]
-        self.dtype = TORCH_DTYPES[settings.dtype]
+        self.dtype = TORCH_DTYPES[settings.model_dtype]
         self.device = torch.device(settings.device)
         config = transformers.AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
         self.model = _build_vision_only(transformers, config, model_dir, self.family, self.dtype)
@@ -182,7 +182,7 @@ class VLMVisionModel:
         self.fixed_tokens: int | None = None
         if self._per_tile is not None and not _tiles_vary(self.processor):
             self.fixed_tokens = self._per_tile
-        self.model_id = f"vlm({model_dir.resolve()},{model_type},{settings.dtype})"
+        self.model_id = f"vlm({model_dir.resolve()},{model_type},{settings.model_dtype})"
         state = {
             name: tensor
             for name, tensor in self.model.state_dict().items()
@@ -191,7 +191,7 @@ class VLMVisionModel:
         self._fingerprint = model_fingerprint(
             f"vlm-{model_type}",
             {"config": config_json, "processor": self.processor.to_dict()},
-            settings.dtype,
+            settings.model_dtype,
             weights_digest(state),
         )
 

@@ -2,7 +2,8 @@
 
 Loading a model takes seconds to minutes. Binding the port first means a port already in use
 fails at once, before that wait, and that probes get an answer meanwhile: ``/livez`` says the
-process lives, ``/readyz`` says 503 until the model is loaded.
+process lives, ``/readyz`` says 503 until the model is loaded and its warm-up forward has run,
+and one "ready" log line says when that is, so an operator watching the log need not poll.
 """
 
 from __future__ import annotations
@@ -29,8 +30,11 @@ class LoadingEncoder:
     server that cannot listen then exits without a loader thread to wait for.
     """
 
-    def __init__(self, load: Callable[[], Encoder], *, arena: Arena | None = None) -> None:
+    def __init__(
+        self, load: Callable[[], Encoder], *, arena: Arena | None = None, warmup: bool = True
+    ) -> None:
         self._load = load
+        self._warmup = warmup
         self._arena = arena
         self._encoder: Encoder | None = None
         self._may_load = trio.Event()
@@ -67,7 +71,7 @@ class LoadingEncoder:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Start at once; once allowed, load the model, then run the loaded encoder until
-        cancelled."""
+        cancelled, logging one "ready" line when it serves (after its warm-up)."""
         task_status.started()
         await self._may_load.wait()
         started = trio.current_time()
@@ -80,4 +84,13 @@ class LoadingEncoder:
             raise RuntimeError(f"the model could not be loaded: {exc}") from exc
         log.info("model loaded in %.1f s", trio.current_time() - started)
         self._encoder = encoder
-        await encoder.run()
+        async with trio.open_nursery() as nursery:
+            # The encoder reports started once its warm-up forward has run: the first request
+            # then pays no start-up cost, and /readyz answers 200 from here on.
+            await nursery.start(encoder.run)
+            how = "and warmed up" if self._warmup else "(no warm-up: the first request pays it)"
+            log.info(
+                "ready: model loaded %s in %.1f s (/readyz answers 200)",
+                how,
+                trio.current_time() - started,
+            )

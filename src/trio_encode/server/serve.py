@@ -27,6 +27,7 @@ from hypercorn.config import Config, Sockets
 from hypercorn.utils import wrap_app
 
 from trio_encode.engine import TransferEngine
+from trio_encode.engine.rdma_devices import check_rdma
 from trio_encode.server import heap
 from trio_encode.server.app import create_app
 from trio_encode.server.connections import serve_connections
@@ -247,7 +248,8 @@ async def run_server(
     image encoder loading behind it (``/readyz`` is 503 until it is loaded), stopped gracefully
     by SIGINT or SIGTERM. ``wrap_engine`` wraps the engine before anything uses it (a drill's
     fault injector), ``wrap_model`` the model once loaded (a drill's stamped embeddings)."""
-    # The port first: one in use stops the start before the engine and the arena exist.
+    check_start(settings)
+    # The port next: one in use stops the start before the engine and the arena exist.
     sockets = listen(settings)
     bound = sockets.insecure_sockets[0].getsockname()
     log.info("starting", extra=startup_facts(settings, bind=_bind(*bound[:2])))
@@ -256,6 +258,29 @@ async def run_server(
     finally:
         for sock in sockets.insecure_sockets:
             sock.close()  # idempotent: hypercorn closes those it served on
+
+
+def check_start(settings: ServerSettings) -> None:
+    """Refuse, before listening, what would otherwise fail after "serving on" or serve
+    broken: RDMA asked for on a host without RDMA devices, and a model directory the loader
+    would fail on (no weights, a truncated file, an unsupported model, a dtype it names that
+    cannot be served). A :class:`ValueError` naming the flag."""
+    check_rdma(settings.engine.protocol, settings.engine.device)
+    model_dir = settings.encoder.model
+    if model_dir is None:
+        return
+    from trio_encode.encoder.hf import check_model_dir
+    from trio_encode.encoder.settings import config_dtype
+
+    try:
+        check_model_dir(model_dir)
+    except ValueError as exc:
+        raise ValueError(f"--model: {exc}") from None
+    if settings.encoder.dtype == "auto":
+        try:
+            config_dtype(model_dir / "config.json")
+        except ValueError as exc:
+            raise ValueError(f"--dtype auto: {exc}") from None
 
 
 def startup_facts(settings: ServerSettings, *, bind: str) -> dict[str, str]:
@@ -271,7 +296,7 @@ def startup_facts(settings: ServerSettings, *, bind: str) -> dict[str, str]:
         "config": str(settings.config) if settings.config else "none",
         "model": model,
         "device": encoder.device,
-        "dtype": encoder.dtype,
+        "dtype": encoder.model_dtype,
         "protocol": settings.engine.protocol,
         "arena": format_size(encoder.arena_bytes) if encoder.arena_bytes else "off",
         "auth": "on" if settings.token else "off",
@@ -322,7 +347,7 @@ async def _run_listening(
         log.info("encoder loaded: %s", encoder.info.model_id)
         return encoder
 
-    encoder = LoadingEncoder(load, arena=arena)
+    encoder = LoadingEncoder(load, arena=arena, warmup=settings.encoder.warmup)
     async with trio.open_nursery() as nursery:
         running: RunningServer = await nursery.start(
             partial(

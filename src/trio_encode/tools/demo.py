@@ -8,31 +8,28 @@ the model computes directly (one image at a time, no server, no batching), and t
 hold no registration.
 
 Progress goes to stderr while it runs (each step says what it waits for); the final table
-goes to stdout.
+goes to stdout. Only the demo's settings are imported with this module (``trio-encode demo
+--help`` reads them); torch, the server and the client load when the demo runs.
 """
 
 from __future__ import annotations
 
-from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
-from functools import partial
+from typing import TYPE_CHECKING
 
-import torch
-import trio
 from pydantic.dataclasses import dataclass as settings_dataclass
-from rich.console import Console
-from rich.table import Table
 
-from trio_encode.client import EncodeClient, EncodeResult, LandingPool, LandingSlot, metric_value
 from trio_encode.declare import SETTINGS, in_group
-from trio_encode.embedding import TORCH_DTYPES
-from trio_encode.encoder import ImageEncoder, load_item
-from trio_encode.errors import RequestError
-from trio_encode.server.metrics import Metrics
-from trio_encode.server.serve import open_server
-from trio_encode.settings import LogLevel, ServerSettings
-from trio_encode.testing.images import noise_uri
-from trio_encode.tools.progress import Steps
+from trio_encode.settings import LogLevel
+
+if TYPE_CHECKING:
+    import torch
+    from rich.table import Table
+
+    from trio_encode.client import EncodeClient, EncodeResult, LandingSlot
+    from trio_encode.encoder import ImageEncoder
+    from trio_encode.settings import ServerSettings
+    from trio_encode.tools.progress import Steps
 
 demo_setting = in_group("demo")
 
@@ -83,6 +80,8 @@ class DemoOutcome:
 
     def table(self) -> Table:
         """The result as a table: what moved, how fast, what the server held afterwards."""
+        from rich.table import Table
+
         rate = self.bytes_moved / self.seconds / 1e6 if self.seconds else 0.0
         table = Table(title="trio-encode demo", show_header=True, title_justify="left")
         table.add_column("what")
@@ -109,6 +108,10 @@ class DemoOutcome:
 
 async def run_demo(settings: ServerSettings, config: DemoSettings) -> DemoOutcome:
     """Run the demo; prints progress (unless switched off) and the final table."""
+    from rich.console import Console
+
+    from trio_encode.tools.progress import Steps
+
     with Steps(config.progress) as steps:
         outcome = await _run(settings, config, steps)
     console = Console()
@@ -118,7 +121,18 @@ async def run_demo(settings: ServerSettings, config: DemoSettings) -> DemoOutcom
 
 
 async def _run(settings: ServerSettings, config: DemoSettings, steps: Steps) -> DemoOutcome:
+    from contextlib import AsyncExitStack
+    from functools import partial
+
+    import trio
+
+    from trio_encode.client import EncodeClient, LandingPool, metric_value
+    from trio_encode.encoder import ImageEncoder
     from trio_encode.engine.mooncake import MooncakeEngine
+    from trio_encode.errors import RequestError
+    from trio_encode.server.metrics import Metrics
+    from trio_encode.server.serve import open_server
+    from trio_encode.testing.images import noise_uri
 
     requests, images, tp = config.requests, config.images, config.tp
     outcome = DemoOutcome(requests, tp)
@@ -211,6 +225,10 @@ async def _run(settings: ServerSettings, config: DemoSettings, steps: Steps) -> 
 
 def _direct_embedding(encoder: ImageEncoder, items: list[str]) -> torch.Tensor:
     """The request's embedding as the model computes it alone, image by image, as raw bytes."""
+    import torch
+
+    from trio_encode.encoder import load_item
+
     settings = encoder.settings
     rows = []
     for item in items:
@@ -230,6 +248,10 @@ def _check(
     outcome: DemoOutcome,
 ) -> None:
     """Every rank's copy of one request equals the model's own output, byte for byte."""
+    import torch
+
+    from trio_encode.embedding import TORCH_DTYPES
+
     copies = [answers[req, r] for r in range(tp) if (req, r) in answers]
     if len(copies) != tp:
         return  # already reported
@@ -250,6 +272,10 @@ def _check(
 async def _settled(client: EncodeClient, *, arena: int) -> str:
     """/metrics once every scope has released, leaving only the ``arena`` registration (or
     after 5 s, to report what is still held)."""
+    import trio
+
+    from trio_encode.client import metric_value
+
     text = await client.metrics()
     with trio.move_on_after(5):
         while metric_value(text, "live_scopes") or metric_value(text, "live_registrations") > arena:

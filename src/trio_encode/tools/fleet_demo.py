@@ -28,28 +28,25 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Literal
 
 import httpx
 import trio
 from pydantic import Field, model_validator
 from pydantic.dataclasses import dataclass as settings_dataclass
 
-from trio_encode.client import (
-    ChecksumMismatch,
-    FleetClient,
-    LandingPool,
-    LandingSlot,
-    metric_value,
-)
-from trio_encode.client.fleet import RouteBy
 from trio_encode.declare import SETTINGS, in_group
 from trio_encode.encoder import EncoderSettings
-from trio_encode.engine.mooncake import MooncakeEngine, MooncakeSettings
-from trio_encode.errors import RequestError
 from trio_encode.settings import ServerSettings, child_environment, serve_flags, server_settings
-from trio_encode.testing.images import noise_uri
 from trio_encode.tools.children import stop
-from trio_encode.tools.progress import Steps
+
+if TYPE_CHECKING:
+    from trio_encode.client import FleetClient, LandingPool
+    from trio_encode.tools.progress import Steps
+
+RouteBy = Literal["content", "request"]
+"""How the ranks' clients pick an encoder: :data:`trio_encode.client.fleet.RouteBy`, restated
+because importing the client imports torch, which ``trio-encode fleet --help`` must not."""
 
 _SLOT_BYTES = 16 << 20  # room for one request's embedding per concurrent request and rank
 _POOL_SLOTS = 2  # per concurrent request: a send cut off by the kill quarantines its slot
@@ -243,6 +240,8 @@ async def _until(
 async def run_fleet_demo(config: FleetDemoConfig) -> FleetOutcome:
     """Start the cluster, run the workload, stop everything; a start-up failure names the
     directory with the processes' logs."""
+    from trio_encode.tools.progress import Steps
+
     outcome = FleetOutcome(config, logs=Path(tempfile.mkdtemp(prefix="trio-encode-fleet-")))
     try:
         with Steps(config.progress) as steps:
@@ -256,6 +255,9 @@ async def run_fleet_demo(config: FleetDemoConfig) -> FleetOutcome:
 
 
 async def _run_cluster(config: FleetDemoConfig, outcome: FleetOutcome, steps: Steps) -> None:
+    from trio_encode.client import FleetClient, LandingPool, metric_value
+    from trio_encode.engine.mooncake import MooncakeEngine, MooncakeSettings
+
     assert outcome.logs is not None
     logs = outcome.logs
     async with AsyncExitStack() as stack:
@@ -349,6 +351,10 @@ async def _workload(
     outcome: FleetOutcome,
     steps: Steps,
 ) -> None:
+    from trio_encode.client import ChecksumMismatch, LandingSlot
+    from trio_encode.errors import RequestError
+    from trio_encode.testing.images import noise_uri
+
     images = [noise_uri(seed, 224) for seed in range(config.distinct)]
     order = [n % config.distinct for n in range(config.requests)]
     random.Random(0).shuffle(order)
@@ -420,6 +426,8 @@ async def _workload(
 
 
 async def _read_counts(http: httpx.AsyncClient, row: EncoderCounts) -> None:
+    from trio_encode.client import metric_value
+
     text = (await http.get(row.url + "/metrics")).text
     row.counts.update(
         forwards=metric_value(text, "encoder_batch_size_sum"),

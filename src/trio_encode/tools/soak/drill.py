@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 import trio
 
-from trio_encode.encoder import EncoderSettings, load_backend
+from trio_encode.encoder import EncoderSettings
 from trio_encode.testing.identity import SlotReading, tag
 from trio_encode.tools.soak.receiver import ReceiverGone, ReceiverProcess
 
@@ -50,6 +50,7 @@ class CheckedImages:
         import torch
         import xxhash
 
+        from trio_encode.encoder import load_backend  # torch: not for --help
         from trio_encode.testing.images import natural_jpegs
 
         model = load_backend(settings)
@@ -83,6 +84,7 @@ class TaggedImages:
         it once, for the size of an embedding."""
         import torch
 
+        from trio_encode.encoder import load_backend  # torch: not for --help
         from trio_encode.testing.images import natural_jpegs
 
         model = load_backend(settings)

@@ -50,7 +50,6 @@ import trio
 from pydantic import BeforeValidator, Field, model_validator
 from pydantic.dataclasses import dataclass as settings_dataclass
 
-from trio_encode.client import metric_value
 from trio_encode.declare import SETTINGS, in_group
 from trio_encode.encoder import EncoderSettings
 from trio_encode.settings import (
@@ -862,6 +861,8 @@ async def _fresh_receiver(
 async def _drain(soak: _Soak, http: httpx.AsyncClient) -> tuple[float, float, str]:
     """Wait until no scope and no registration but the arena's is live (every deadline has
     passed by then)."""
+    from trio_encode.client import metric_value  # torch: not for --help
+
     text = ""
     with trio.move_on_after(soak.config.deadline_bound + 10):
         while True:
@@ -879,6 +880,8 @@ async def _drain(soak: _Soak, http: httpx.AsyncClient) -> tuple[float, float, st
 
 
 def _result(soak: _Soak, drained: tuple[float, float, str]) -> SoakResult:
+    from trio_encode.client import metric_value  # torch: not for --help
+
     config = soak.config
     left_scopes, left_registrations, text = drained
     violations = list(soak.violations)
