@@ -11,7 +11,8 @@ whatever that one connection raises: the connection is closed, the failure logge
 its kind and counted, and every other connection and request goes on. Two causes are also
 removed at their root (:class:`_GuardedStream`, :class:`_Connection`): the racing half-close,
 and the closes and keep-alive timers that quart-trio's cancellation cut short, which left
-answered connections open for as long as their clients liked.
+answered connections open for as long as their clients liked (the timer is now one task per
+connection, not one per call).
 
 Everything else is hypercorn's own: the ASGI lifespan, the protocol, timeouts, keep-alive, and
 the graceful close (idle connections close at once, busy ones get ``graceful_timeout``).
@@ -20,13 +21,13 @@ the graceful close (idle connections close at once, busy ones get ``graceful_tim
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any
 
 import trio
 from hypercorn.config import Config, Sockets
-from hypercorn.events import Event, Updated
 from hypercorn.trio.lifespan import Lifespan
 from hypercorn.trio.statsd import StatsdLogger
 from hypercorn.trio.tcp_server import TCPServer
@@ -107,7 +108,7 @@ async def _serve_one(
     guarded = _GuardedStream(stream)
     state = ConnectionState(lifespan_state.copy())
     try:
-        await _Connection(app, config, context, state, guarded)  # type: ignore[arg-type]
+        await _Connection(app, config, context, state, guarded)
     except* Exception as group:
         # One connection's failure: whatever hypercorn (or h11, or the socket) raised in its
         # tasks. Cancellation (shutdown) is not caught and propagates as it should.
@@ -120,21 +121,57 @@ async def _serve_one(
 
 
 class _Connection(TCPServer):
-    """Hypercorn's per-connection server, with its keep-alive timer started whatever task
-    asks for it.
+    """Hypercorn's per-connection server, with a keep-alive timer that costs no task per call.
 
-    Once an answer is written, hypercorn starts the connection's idle timer from the task
-    that wrote it, which is the app's own; quart-trio cancels that task as soon as the answer
-    is out, so the timer's start was cut short at its first checkpoint and an idle keep-alive
-    connection stayed open for as long as the client kept it. Starting the timer takes a lock
-    held only by other starts and stops, and starting a task: shielded, it always completes."""
+    Hypercorn stops the connection's idle timer when a request arrives and starts a new one
+    when its answer is out: a lock, a cancellation and a task start for every call, from the
+    app's own task, which quart-trio cancels as soon as the answer is out (so the start was
+    cut short, and an idle connection stayed open for as long as its client liked). Here the
+    timer is one task for the connection's life (:class:`_IdleTimer`) whose deadline a call
+    lifts and an answer sets again, with no checkpoint for a cancellation to cut."""
 
-    async def protocol_send(self, event: Event) -> None:
-        if isinstance(event, Updated):
-            with trio.CancelScope(shield=True):
-                await super().protocol_send(event)
-        else:
-            await super().protocol_send(event)
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.idle_task = _IdleTimer(self)  # type: ignore[assignment]
+
+
+class _IdleTimer:
+    """Stands in for hypercorn's ``TrioSingleTask`` as the keep-alive timer of one connection.
+
+    ``restart`` (the connection went idle) sets the deadline ``keep_alive_timeout`` ahead;
+    ``stop`` (a request arrived) lifts it. Past the deadline, or when the server stops while
+    the connection is idle, the connection is closed as hypercorn's own timer closes it. The
+    first ``restart`` starts the task in the connection's task group, which ends with it."""
+
+    def __init__(self, connection: _Connection) -> None:
+        self._connection = connection
+        self._scope = trio.CancelScope()
+        self._started = False
+        self._idle = False
+        self._stopping = False
+        """The server is shutting down: the connection closes as soon as it is idle."""
+
+    async def restart(self, task_group: Any, action: object) -> None:
+        self._idle = True
+        self._scope.deadline = trio.current_time() + (
+            0.0 if self._stopping else self._connection.config.keep_alive_timeout
+        )
+        if not self._started:
+            self._started = True
+            task_group._nursery.start_soon(self._run)
+
+    async def stop(self) -> None:
+        self._idle = False
+        self._scope.deadline = math.inf
+
+    async def _run(self) -> None:
+        with self._scope:
+            await self._connection.context.terminated.wait()
+            self._stopping = True
+            if not self._idle:
+                await trio.sleep_forever()  # until the answer's ``restart``, due at once
+        with trio.CancelScope(shield=True):
+            await self._connection._initiate_server_close()
 
 
 class _GuardedStream(trio.abc.HalfCloseableStream):
