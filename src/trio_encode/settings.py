@@ -109,8 +109,8 @@ class ServerSettings(BaseSettings):
     """Bodies of every route but /encode (/send, pulls: a few hundred bytes); larger ones are
     refused with 413 as they arrive."""
     max_sends_per_client: int = server_setting(256, gt=0)
-    """/send calls one client address may have in flight; more get 503, so one client cannot hold
-    every transfer thread."""
+    """/send calls one client address may have in flight; more get 503. At most half of
+    engine_transfers_in_flight, so one client cannot hold every transfer slot."""
     allowed_receivers: ReceiverEntries = server_setting(())
     """Hosts /send may write to, besides loopback (always allowed): CIDR networks, addresses or host
     names (matched as written, not resolved), comma-separated; '*' allows any host (logged as a
@@ -174,6 +174,19 @@ class ServerSettings(BaseSettings):
                 f"--engine-progress-timeout ({given} s) must be below --send-timeout "
                 f"({send_timeout:g} s): a stalled transfer must fail before its request's "
                 "deadline"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _client_share(self) -> ServerSettings:
+        """One client's /send calls (each one transfer) hold at most half the engine's
+        transfers in flight, whatever receivers they name: the rest stays for others."""
+        cap = self.engine.transfers_in_flight
+        if 2 * self.max_sends_per_client > cap:
+            raise ValueError(
+                f"--max-sends-per-client ({self.max_sends_per_client}) must be at most half of "
+                f"--engine-transfers-in-flight ({cap}): one client must leave the rest of the "
+                "transfer capacity to others"
             )
         return self
 

@@ -13,12 +13,18 @@ transfer in flight keeps a core busy doing nothing. With several ranks' sends in
 spinning threads take the cores from the threads that move the bytes (Mooncake's TCP workers,
 and on a shared host the receivers), and the longer the transfers, the longer they spin. So a
 transfer is submitted (``transfer_submit_write``) and its status polled with pauses that grow
-with the time already waited (:func:`wait_until_done`): at most about 1/8 more latency, and a
-thread that sleeps instead of spinning.
+with the time already waited: at most about 1/8 more latency, and no spinning.
+
+A transfer holds a worker thread only while it submits; the wait for its terminal status
+holds none. One :class:`BatchPoller` per engine asks Mooncake about every batch in flight and
+wakes each waiting send when its batches end (or its deadline passes, or its caller stops
+waiting), so a frozen receiver holds its own sends' slots and memory, never threads others
+need (see :mod:`trio_encode.engine.threads` for the bounds that remain).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import math
@@ -31,13 +37,20 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import Annotated, Any, Literal, TypeVar
 
+import outcome
 import trio
 from pydantic import AfterValidator
 from pydantic.dataclasses import dataclass as settings_dataclass
 
 from trio_encode.declare import SETTINGS, in_group
 from trio_encode.engine.base import TRANSFER_FAILED, EngineError, Write, engine_code_meaning
-from trio_encode.engine.threads import EngineThreads, ThreadSettings, host_of, run_in_thread
+from trio_encode.engine.threads import (
+    EngineThreads,
+    ThreadSettings,
+    host_of,
+    run_in_thread,
+    start_in_thread,
+)
 
 log = logging.getLogger(__name__)
 
@@ -143,14 +156,13 @@ class Batch:
         return self.address < address + length and address < self.address + self.length
 
 
-def write_segments(
+def submit_segments(
     raw: Any, write: Write, stop: threading.Event | None = None
-) -> tuple[int, list[Batch]]:
-    """In a worker thread: do ``write``, one segment after another; ``(code, pending)`` as
-    :func:`wait_until_done` answers, code the first failure's. Every segment is submitted
-    before any is waited for, so they travel together; a refused submission ends the call: no
-    later segment is submitted, and the refused one (it has no batch) is never asked about.
-    Once ``stop`` is set no further segment is submitted and the wait ends."""
+) -> tuple[int, list[Batch], int]:
+    """In a worker thread: submit ``write``'s segments, one after another; ``(code, batches,
+    nbytes)``: -1 if a submission was refused or ``stop`` was set first (no later segment is
+    submitted, and a refused one, which has no batch, is never asked about), the batches
+    submitted, and the bytes their deadline counts (:func:`transfer_timeout`)."""
     batches: list[Batch] = []
     code = 0
     offset = 0
@@ -168,9 +180,213 @@ def write_segments(
             code = TRANSFER_FAILED
             break
         batches.append(Batch(raw, batch_id, address, length))
+    return code, batches, offset
+
+
+def write_segments(
+    raw: Any, write: Write, stop: threading.Event | None = None
+) -> tuple[int, list[Batch]]:
+    """In one worker thread: do ``write`` (:func:`submit_segments`) and wait for it
+    (:func:`wait_until_done`); ``(code, pending)``, code the first failure's. Every segment is
+    submitted before any is waited for, so they travel together. For callers that have a
+    thread to spend (test doubles); the engine itself waits in its :class:`BatchPoller`."""
+    code, batches, nbytes = submit_segments(raw, write, stop)
     # Wait for what was submitted even after a failure: it may still be reading our memory.
-    waited, pending = wait_until_done(batches, transfer_timeout(offset), stop=stop)
+    waited, pending = wait_until_done(batches, transfer_timeout(nbytes), stop=stop)
     return code or waited, pending
+
+
+Landed = tuple[int, list[Batch]]
+"""A flight's end as its caller sees it: ``(code, pending)``, as :func:`wait_until_done`."""
+
+
+@dataclass(eq=False)
+class _Flight:
+    """One transfer call's submitted batches. From :meth:`BatchPoller.add` until the poller
+    hands it back (once: every batch ended, its deadline passed, or ``stop`` was set) only the
+    poller's thread asks Mooncake about them, so an ended batch (freed by Mooncake) is never
+    asked about again; then the caller owns what is still pending."""
+
+    batches: list[Batch]
+    timeout: float
+    """Seconds from the hand-over to the poller after which the caller stops waiting."""
+    stop: threading.Event
+    """Set when the caller stops waiting (cancelled): the poller hands the flight back at its
+    next round."""
+    token: trio.lowlevel.TrioToken
+    code: int = 0
+    start: float = 0.0
+    due: float = 0.0
+    pause: float = _FIRST_POLL
+    result: outcome.Outcome[Landed] | None = None
+    """Trio's thread only: the poller's answer, once given."""
+    task: trio.lowlevel.Task | None = None
+    """Trio's thread only: the caller, while it waits for the answer."""
+
+    def submitted(self, result: outcome.Outcome[bool]) -> None:
+        """In Trio's thread: its submission ended; the answer too unless the batches went to
+        the poller (True), which answers once they end."""
+        if isinstance(result, outcome.Error):  # the binding's own: nothing went to the poller
+            self.land(outcome.Error(result.error))
+        elif not result.unwrap():
+            self.land(outcome.Value((self.code, [])))  # nothing was submitted
+
+    def land(self, result: outcome.Outcome[Landed]) -> None:
+        """In Trio's thread: the flight's answer; wakes the caller if it waits already."""
+        self.result = result
+        task, self.task = self.task, None
+        if task is not None:
+            trio.lowlevel.reschedule(task)
+
+    async def landed(self, wake: Callable[[], None]) -> Landed:
+        """The poller's answer. The wait holds no thread and is not a checkpoint a cancelled
+        caller leaves from: cancelled, the caller sets ``stop``, ``wake``s the poller and gets
+        its answer within a round (what is still pending is then the caller's to keep)."""
+        if self.result is None:
+            self.task = trio.lowlevel.current_task()
+
+            def abort(_: Any) -> trio.lowlevel.Abort:
+                self.stop.set()
+                wake()
+                return trio.lowlevel.Abort.FAILED
+
+            await trio.lowlevel.wait_task_rescheduled(abort)
+        assert self.result is not None
+        return self.result.unwrap()
+
+
+def _land_all(landed: list[tuple[_Flight, outcome.Outcome[Landed]]]) -> None:
+    for flight, result in landed:
+        flight.land(result)
+
+
+class BatchPoller:
+    """The one place an engine waits for its batches in flight: a thread that asks Mooncake
+    about each batch with pauses that grow as :func:`wait_until_done`'s do (an eighth of the
+    time that flight has waited, between ``_FIRST_POLL`` and ``_MAX_POLL``), and hands each
+    flight back to its caller's Trio run as soon as it ends.
+
+    Why one dedicated thread, not a Trio task: a check is cheap (~0.6 us of CPU, measured),
+    but a Trio task's sleep rounds up to the event loop's millisecond (epoll's unit; a 20 us
+    ``trio.sleep`` took ~1.3 ms, ``time.sleep`` ~0.1 ms), far too late a first check for a
+    transfer of a few hundred microseconds, and every round would take a turn of the event
+    loop. The thread's pauses are timed in microseconds and cost the loop nothing, and
+    ``transfer_check_status`` is not blocked by the engine's mutex (a submission stalled in a
+    handshake never stalls the polls). It also serves every Trio run that uses the engine
+    (tests run many). Idle (nothing in flight) it sleeps until a flight arrives: no spinning.
+    It makes the checks and pauses a sleeping thread per transfer made, plus its own wake-up
+    when a flight finds it idle; transfers in flight together share its wake-ups.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        """Guards changes to ``_flights``, which are copies: the poller reads it unlocked."""
+        self._flights: tuple[_Flight, ...] = ()
+        self._signal = threading.Lock()
+        """Released (once, however often signalled) when a flight arrives or a caller stops
+        waiting; the poller sleeps acquiring it, so its pauses cost what ``time.sleep``'s do."""
+        self._signal.acquire()
+        self._wake_at = -math.inf
+        """When the poller's sleep ends (inf: idle; -inf: awake, it looks at ``_flights``
+        again before sleeping): a flight due later needs no wake-up of its own."""
+        self._thread: threading.Thread | None = None
+        self.rounds = 0
+        """Rounds of checks so far (each a wake-up of the poller with a flight due)."""
+
+    @property
+    def in_flight(self) -> int:
+        """Flights in the poller's care now."""
+        return len(self._flights)
+
+    def add(self, flight: _Flight) -> None:
+        """Any thread: take ``flight`` into the poller's care; its first check comes after
+        ``_FIRST_POLL``."""
+        now = time.monotonic()
+        flight.start, flight.due = now, now + _FIRST_POLL
+        with self._lock:
+            self._flights = (*self._flights, flight)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="mooncake-batch-poller", daemon=True
+                )
+                self._thread.start()
+        if flight.due < self._wake_at:
+            self.wake()
+
+    def wake(self) -> None:
+        """Any thread: a flight arrived, or one's ``stop`` was set: look again now."""
+        with contextlib.suppress(RuntimeError):  # already signalled
+            self._signal.release()
+
+    def _run(self) -> None:
+        signal = self._signal
+        while True:
+            self._wake_at = -math.inf
+            flights = self._flights
+            now = time.monotonic()
+            next_due = math.inf
+            checked = False
+            ended: list[tuple[_Flight, outcome.Outcome[Landed]]] = []
+            for flight in flights:
+                if flight.due <= now or flight.stop.is_set():
+                    checked = True
+                    result = self._check(flight, now)
+                    if result is not None:
+                        ended.append((flight, result))
+                        continue
+                next_due = min(next_due, flight.due)
+            self.rounds += checked
+            if ended:
+                left = self._hand_back(ended)
+                if len(left) != len(flights) - len(ended):
+                    continue  # flights arrived during the round
+                flights = left
+            self._wake_at = next_due
+            if self._flights is not flights:
+                continue  # a flight arrived: look at it before sleeping
+            if next_due == math.inf:
+                signal.acquire()  # idle: sleep until a flight arrives
+            else:
+                pause = next_due - time.monotonic()
+                if pause > 0:
+                    signal.acquire(timeout=pause)
+
+    def _hand_back(
+        self, ended: list[tuple[_Flight, outcome.Outcome[Landed]]]
+    ) -> tuple[_Flight, ...]:
+        """Out of the poller's care, then to each flight's Trio run (one wake-up per run);
+        the flights left in its care."""
+        with self._lock:
+            gone = {id(flight) for flight, _ in ended}
+            left = self._flights = tuple(f for f in self._flights if id(f) not in gone)
+        by_run: dict[trio.lowlevel.TrioToken, list[tuple[_Flight, outcome.Outcome[Landed]]]]
+        by_run = {}
+        for flight, result in ended:
+            by_run.setdefault(flight.token, []).append((flight, result))
+        for token, landed in by_run.items():
+            try:
+                token.run_sync_soon(_land_all, landed)
+            except trio.RunFinishedError:  # its run ended without waiting (interrupted)
+                log.warning("%d transfers ended after their Trio run", len(landed))
+        return left
+
+    @staticmethod
+    def _check(flight: _Flight, now: float) -> outcome.Outcome[Landed] | None:
+        """Ask about ``flight``'s batches once (the round began at ``now``): its answer if it
+        ended (or must be handed back), else None and its next due time."""
+        try:
+            flight.batches, failed = _check_once(flight.batches)
+        except Exception as error:  # the binding's own error: the caller gets it
+            return outcome.Error(error)
+        flight.code = flight.code or failed
+        if not flight.batches:
+            return outcome.Value((flight.code, []))
+        waited = now - flight.start
+        if waited > flight.timeout or flight.stop.is_set():
+            return outcome.Value((flight.code or TRANSFER_FAILED, flight.batches))
+        flight.due = now + flight.pause
+        flight.pause = min(_MAX_POLL, max(_FIRST_POLL, waited / 8))
+        return None
 
 
 def _poll(batches: Sequence[Sequence[Batch]]) -> list[tuple[list[Batch], int]]:
@@ -305,18 +521,21 @@ class MooncakeSettings:
     waiting for stays quarantined. Default: send_timeout minus 5 (at least 1); it must be below
     send_timeout."""
     transfer_threads: int = engine_setting(ThreadSettings.transfer_threads, ge=1)
-    """Worker threads for transfers across all receivers."""
+    """Worker threads that submit transfers, across all receivers (a transfer holds one only while
+    it submits; one poller thread waits for every transfer in flight)."""
     control_threads: int = engine_setting(ThreadSettings.control_threads, ge=1)
     """Worker threads for register and deregister calls, kept apart so that releasing memory never
     waits behind transfers."""
     sends_per_session: int = engine_setting(ThreadSettings.sends_per_session, ge=1)
-    """Transfers in flight to any one receiver engine: a rank that stops answering holds at most
-    this many threads until Mooncake's own timeout fails them."""
+    """Transfers in flight to any one receiver engine: a rank that stops answering parks at most
+    this many until Mooncake's own timeout fails them."""
 
     sends_per_host: int = engine_setting(ThreadSettings.sends_per_host, ge=1)
     """Transfers in flight to all receiver engines on one host: a node whose ranks all stop
-    answering (a frozen TP node) holds at most this many threads, and leaves the rest to other
-    nodes."""
+    answering (a frozen TP node) parks at most this many."""
+    transfers_in_flight: int = engine_setting(ThreadSettings.transfers_in_flight, ge=1)
+    """Transfers in flight across all receivers: bounds the memory sends to frozen receivers pin.
+    One client's /send calls in flight (max_sends_per_client) may be at most half of it."""
 
     @property
     def threads(self) -> ThreadSettings:
@@ -326,6 +545,7 @@ class MooncakeSettings:
             self.control_threads,
             self.sends_per_session,
             self.sends_per_host,
+            self.transfers_in_flight,
         )
 
 
@@ -348,6 +568,8 @@ class MooncakeEngine:
         else:
             self._session_id = settings.hostname
         self.threads = EngineThreads(settings.threads)
+        self.poller = BatchPoller()
+        """Where every transfer in flight is waited for (no thread per transfer)."""
         self._abandoned: list[_Abandoned] = []
         self._polling = trio.Lock()
         self._contacted: set[str] = set()
@@ -416,25 +638,31 @@ class MooncakeEngine:
     async def transfer(self, write: Write, *, submitted: trio.Event | None = None) -> None:
         """Write ``write``'s segments, in order and back to back, and wait until every byte
         has landed. All are submitted before any is awaited, so a multi-image embedding
-        needs no concatenation. Waits for a thread of the transfer pool and a slot of the
-        receiver's own bound first (see :mod:`trio_encode.engine.threads`); a caller
+        needs no concatenation. Waits for the receiver's, its host's and the engine's slots
+        and then a submission thread first (see :mod:`trio_encode.engine.threads`); a caller
         cancelled while waiting submits nothing. ``submitted`` is set as the thread starts.
+        The thread only submits; the :class:`BatchPoller` waits, and the slots are held until
+        it answers.
 
         If the wait times out (``transfer_timeout``) while submissions still run, or the
-        caller is cancelled meanwhile (its deadline, a shutdown: the thread stops waiting
+        caller is cancelled meanwhile (its deadline, a shutdown: the poller stops waiting
         within a poll's pause, ~1 ms, and the caller gets ``trio.Cancelled``), the source
         ranges stay :meth:`reading` until Mooncake reports every one ended."""
         session_id, segments = write.session_id, list(write.segments)
         if session_id not in self._contacted:
             await self._first_contact(session_id)
         stop = threading.Event()
+        flight = _Flight([], 0.0, stop, trio.lowlevel.current_trio_token())
         async with self.threads.session_slot(session_id):
-            code, pending = await run_in_thread(
-                partial(write_segments, self.raw, replace(write, segments=segments), stop),
+            # The caller waits once: for the poller's answer, or the submission's when it
+            # sent the poller nothing (the thread's end releases its token on the side).
+            await start_in_thread(
+                partial(self._submit, replace(write, segments=segments), flight),
                 self.threads.transfers,
                 starting=None if submitted is None else submitted.set,
-                on_cancel=stop.set,
+                done=flight.submitted,
             )
+            code, pending = await flight.landed(self.poller.wake)
         detail = f"from {self.session_id}" + (
             f", {len(segments)} segments" if len(segments) > 1 else ""
         )
@@ -449,6 +677,17 @@ class MooncakeEngine:
         if code != 0:
             raise write.failed(int(code), detail)
         self._contacted.add(session_id)
+
+    def _submit(self, write: Write, flight: _Flight) -> bool:
+        """In a worker thread: submit ``write`` and hand its batches to the poller (False if
+        none was submitted); the thread returns at once, the poller waits."""
+        code, batches, nbytes = submit_segments(self.raw, write, flight.stop)
+        flight.code = code
+        if not batches:
+            return False
+        flight.batches, flight.timeout = batches, transfer_timeout(nbytes)
+        self.poller.add(flight)
+        return True
 
     async def _first_contact(self, session_id: str) -> None:
         """Probe a receiver no transfer has reached yet, with a deadline, before Mooncake's

@@ -1,23 +1,26 @@
-"""Worker-thread capacity for engine calls, split so that one stuck peer cannot starve the rest.
+"""Capacity for engine calls, split so that one stuck peer cannot starve the rest.
 
-Every Mooncake call blocks a thread, and a transfer to a peer that stops answering (a paused
-process, a wedged NIC) holds its thread until Mooncake's own timeout (``MC_TRANSFER_TIMEOUT``,
-30 s by default). Borrowing Trio's one default limiter for everything let a few dozen such
-sends starve every other request's transfers, every scope's deregistration and the encoder's
-forward pass. So:
+Every Mooncake call blocks a thread. A transfer holds one only while it submits its batches
+(``transfer_submit_write``, fast once a receiver is contacted); the wait for their terminal
+status holds none (one poller per engine watches every batch in flight, see
+:mod:`trio_encode.engine.mooncake`). What a transfer to a peer that stops answering (a paused
+process, a wedged NIC) holds until Mooncake's own timeout is slots, not threads:
 
-- transfers and control calls (register, deregister) have separate limiters: a release never
-  waits behind transfers;
-- each receiver session may hold at most ``sends_per_session`` transfer threads: a frozen rank
-  parks only its own sends, and the others keep the rest of the pool;
-- each receiver *host* may hold at most ``sends_per_host``: a frozen node (all its TP ranks,
-  one engine each) parks only its own sends too, and leaves the threads other nodes need.
+- transfers and control calls (register, deregister) have separate thread limiters: a release
+  never waits behind submissions;
+- each receiver session may have at most ``sends_per_session`` transfers in flight: a frozen
+  rank parks only its own sends;
+- each receiver *host* at most ``sends_per_host``: a frozen node (all its TP ranks, one engine
+  each) parks only its own sends too;
+- the engine at most ``transfers_in_flight``, whatever receivers they name: the bound on the
+  memory that transfers being waited for pin (the server gives one client at most half of it,
+  see ``max_sends_per_client``).
 
 A bound's limiter exists only while a send holds or waits for it, so receivers come and go
 (every rank restart brings a new session id) without the map growing.
 
-Waiting for a thread is a checkpoint a cancelled caller leaves from without starting its call;
-once a thread runs, the call runs to completion (the engines never abandon a thread).
+Waiting for a slot or a thread is a checkpoint a cancelled caller leaves from without starting
+its call; once a thread runs, the call runs to completion (the engines never abandon a thread).
 
 Every pass through Trio's scheduler on the way to a thread costs a send the time the event loop
 takes to run every other ready task once, which under load is a good part of a millisecond.
@@ -95,24 +98,68 @@ async def run_in_thread(
     return result.unwrap()
 
 
+async def start_in_thread(
+    fn: Callable[[], T],
+    limiter: trio.CapacityLimiter,
+    *,
+    starting: Callable[[], None] | None = None,
+    done: Callable[[outcome.Outcome[T]], None],
+) -> None:
+    """Start ``fn()`` in a worker thread holding a token of ``limiter``, and return without
+    waiting for it: ``done`` gets its outcome in Trio's thread, as the token is released.
+
+    For a caller that waits for something else the thread leads to (a transfer's batches,
+    which the engine's poller watches), so that the thread's end costs no scheduler pass of
+    the caller. Waiting for the token is as in :func:`run_in_thread` (a caller cancelled
+    before the start leaves without running ``fn``; ``starting`` right before the start)."""
+    borrower = object()
+    await _acquire(limiter, borrower)
+    if starting is not None:
+        starting()
+    token = trio.lowlevel.current_trio_token()
+
+    def back_in_trio(result: outcome.Outcome[T]) -> None:
+        limiter.release_on_behalf_of(borrower)
+        done(result)
+
+    def deliver(result: outcome.Outcome[T]) -> None:
+        token.run_sync_soon(back_in_trio, result)
+
+    try:
+        trio.lowlevel.start_thread_soon(fn, deliver)
+    except BaseException:
+        limiter.release_on_behalf_of(borrower)
+        raise
+
+
 @dataclass(frozen=True)
 class ThreadSettings:
-    """How many worker threads engine calls may hold at once."""
+    """How many worker threads engine calls, and how many transfers, may hold at once."""
 
     transfer_threads: int = 32
-    """Transfers in flight across all receivers."""
+    """Transfers submitting at once, across all receivers (a transfer holds a thread only
+    while it submits, not while it waits for its batches to end)."""
     control_threads: int = 4
     """Register and deregister calls in flight (kept apart so releases never queue behind
     transfers)."""
     sends_per_session: int = 8
     """Transfers in flight to any one receiver engine (``session_id``): a receiver that stops
-    answering holds at most this many threads."""
+    answering parks at most this many."""
     sends_per_host: int = 16
     """Transfers in flight to all the receiver engines of one host (the ``session_id``'s host
-    part): a node that stops answering holds at most this many threads."""
+    part): a node that stops answering parks at most this many."""
+    transfers_in_flight: int = 1024
+    """Transfers in flight across all receivers, from their first slot until their caller
+    stops waiting: bounds the memory that sends to frozen receivers pin."""
 
     def __post_init__(self) -> None:
-        for name in ("transfer_threads", "control_threads", "sends_per_session", "sends_per_host"):
+        for name in (
+            "transfer_threads",
+            "control_threads",
+            "sends_per_session",
+            "sends_per_host",
+            "transfers_in_flight",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
 
@@ -124,6 +171,8 @@ class EngineThreads:
         self.settings = settings if settings is not None else ThreadSettings()
         self.transfers = trio.CapacityLimiter(self.settings.transfer_threads)
         self.control = trio.CapacityLimiter(self.settings.control_threads)
+        self.in_flight = trio.CapacityLimiter(self.settings.transfers_in_flight)
+        """The engine-wide bound on transfers in flight (see :meth:`session_slot`)."""
         self._sessions: dict[str, trio.CapacityLimiter] = {}
         self._hosts: dict[str, trio.CapacityLimiter] = {}
 
@@ -143,14 +192,19 @@ class EngineThreads:
 
     @asynccontextmanager
     async def session_slot(self, session_id: str) -> AsyncIterator[None]:
-        """Hold one of ``session_id``'s send slots and one of its host's for the body (a
-        transfer to it). The session's is taken first: a send queued behind its own rank's
-        bound holds nothing its host's other ranks need."""
+        """Hold one of ``session_id``'s send slots, one of its host's and one of the engine's
+        for the body (a transfer to it, submission and wait). Taken narrowest first: a send
+        queued behind its own rank's (or node's) bound holds nothing the others need."""
         async with (
             _slot(self._sessions, session_id, self.settings.sends_per_session),
             _slot(self._hosts, host_of(session_id), self.settings.sends_per_host),
         ):
-            yield
+            token = object()
+            await _acquire(self.in_flight, token)
+            try:
+                yield
+            finally:
+                self.in_flight.release_on_behalf_of(token)
 
 
 def host_of(session_id: str) -> str:

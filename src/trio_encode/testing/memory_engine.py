@@ -10,10 +10,13 @@ Tests steer it with scripted latencies, scripted failures and gates, and read ba
 of every call and a list of *violations*: deregistrations of memory that an in-flight transfer
 was still reading from or writing into.
 
-Thread capacity is modelled with the same limiters the Mooncake engine uses
+Capacity is modelled with the same limiters the Mooncake engine uses
 (:class:`~trio_encode.engine.threads.EngineThreads`): a call first waits for a "thread" of its
-pool (and a transfer for a slot of its receiver's bound), so starvation by a peer that stops
-answering (:meth:`InMemoryFabric.freeze`) is a deterministic test.
+pool, and a transfer first for slots of its receiver's, its host's and the engine's bounds. As
+in the Mooncake engine a transfer holds its thread only while it submits (every segment
+starts, and passes its gate); its latency and the wait for a peer that stops answering
+(:meth:`InMemoryFabric.freeze`) hold the slots, not the thread. So starvation and isolation
+are deterministic tests, and the same rule checks hold on both engines.
 
 Timing of effects (each the conservative choice): a registration counts only once
 ``register`` has returned; a deregistration takes effect the moment ``deregister`` starts; a
@@ -164,6 +167,19 @@ class _Entry:
 
     failure: int | None
     started: bool = False
+
+
+@dataclass
+class _Submitted:
+    """One segment of a transfer, submitted: its call, and the code it ends with unless its
+    transfer runs (``flight``)."""
+
+    call: CallRecord
+    code: int | None
+    flight: _InFlightTransfer | None
+    local_address: int
+    remote_address: int
+    length: int
 
 
 @dataclass
@@ -335,64 +351,49 @@ class InMemoryEngine:
         one recorded call per segment, in order, each copying at its end if both its ranges
         are still registered then.
 
-        Waiting for a thread and a slot of the receiver's bound is cancellable; then
-        ``submitted`` is set, and the first segment starts and the rest run too, whatever
-        happens to the caller (Mooncake has them all submitted); the first failure is raised
-        after the last has ended. A caller cancelled while a segment hangs in a frozen peer
-        stops waiting for it (and for the rest, which hang too): each stays :meth:`reading`
-        until it lands or fails (``progress_timeout``), and the caller gets the
-        cancellation."""
+        Waiting for the slots and a thread is cancellable; then ``submitted`` is set, and
+        every segment starts (passing its gate) holding the thread, which is then released:
+        their latencies and any wait for a frozen peer hold only the slots. All run, one after
+        another, whatever happens to the caller (Mooncake has them all submitted); the first
+        failure is raised after the last has ended. A caller cancelled while a segment hangs
+        in a frozen peer stops waiting for it (and for the rest, which hang too): each stays
+        :meth:`reading` until it lands or fails (``progress_timeout``), and the caller gets
+        the cancellation."""
         await trio.lowlevel.checkpoint_if_cancelled()
         failure: EngineError | None = None
         stopped: trio.Cancelled | None = None
         session_id, remote_address = write.session_id, write.remote_address
-        async with (
-            self._scripted("transfer") as first,
-            self.threads.session_slot(session_id),
-            _thread(self.threads.transfers),
-        ):
-            if submitted is not None:
-                submitted.set()
-            offset = 0
-            for index, (address, length) in enumerate(write.segments):
-                try:
-                    if index == 0:
-                        await self._transfer_one(
-                            first, session_id, address, remote_address, length, stopped is None
+        async with self._scripted("transfer") as first, self.threads.session_slot(session_id):
+            async with _thread(self.threads.transfers):
+                if submitted is not None:
+                    submitted.set()
+                started: list[_Submitted] = []
+                offset = 0
+                for index, (address, length) in enumerate(write.segments):
+                    entry = first if index == 0 else self._entry("transfer")
+                    started.append(
+                        await self._submit_one(
+                            entry, session_id, address, remote_address + offset, length
                         )
-                    else:
-                        async with self._scripted("transfer") as entry:
-                            await self._transfer_one(
-                                entry,
-                                session_id,
-                                address,
-                                remote_address + offset,
-                                length,
-                                stopped is None,
-                            )
+                    )
+                    offset += length
+            for one in started:
+                try:
+                    await self._await_one(one, stopped is None)
                 except EngineError as exc:
                     failure = failure or exc
                 except trio.Cancelled as exc:
                     stopped = exc  # the caller stopped waiting for a frozen peer
-                offset += length
         if stopped is not None:
             raise stopped
         if failure is not None:
             raise failure
 
-    async def _transfer_one(
-        self,
-        entry: _Entry,
-        session_id: str,
-        local_address: int,
-        remote_address: int,
-        length: int,
-        wait: bool = True,
-    ) -> None:
-        """One segment's call: copy ``length`` bytes at its end if both ranges are still
-        registered then. Into a frozen peer it hangs until the transfer timeout, until the
-        caller is cancelled (then it raises ``trio.Cancelled``), or not at all without
-        ``wait``: its caller stopped waiting."""
+    async def _submit_one(
+        self, entry: _Entry, session_id: str, local_address: int, remote_address: int, length: int
+    ) -> _Submitted:
+        """One segment's call starts: its ranges are checked and it passes its gate (holding
+        the caller's thread, as a submission stuck in Mooncake would)."""
         call, scripted = self._begin(
             "transfer", session_id, local_address, length, remote_address, entry
         )
@@ -404,9 +405,22 @@ class InMemoryEngine:
             )
         if flight is not None:
             self._in_flight_transfers.append(flight)
+        with trio.CancelScope(shield=True):
+            await self._pass_gate(call)
+        return _Submitted(call, code, flight, local_address, remote_address, length)
+
+    async def _await_one(self, submitted: _Submitted, wait: bool = True) -> None:
+        """One started segment's end, holding no thread: copy its bytes after its latency if
+        both ranges are still registered then. Into a frozen peer it hangs until the transfer
+        timeout, until the caller is cancelled (then it raises ``trio.Cancelled``), or not at
+        all without ``wait``: its caller stopped waiting."""
+        call, code, flight = submitted.call, submitted.code, submitted.flight
+        session_id, local_address = call.session_id, submitted.local_address
+        remote_address, length = submitted.remote_address, submitted.length
         abandoned = False
         try:
-            await self._run_shielded(call)
+            with trio.CancelScope(shield=True):
+                await self._take_latency(call)
             if flight is not None and not await self._peer_answers(session_id, wait):
                 abandoned = self._abandon(flight, local_address, remote_address, length)
                 code, flight = TRANSFER_FAILED, None
@@ -420,6 +434,7 @@ class InMemoryEngine:
                 self._drop_in_flight(call)
         if flight is not None:
             code = self._complete_transfer(flight, local_address, remote_address, length)
+        assert code is not None
         self._finish(call, code)
 
     def reading(self, address: int, length: int) -> bool:
@@ -541,17 +556,29 @@ class InMemoryEngine:
         entry.started = True
         return call, entry.failure
 
+    def _entry(self, kind: CallKind) -> _Entry:
+        """The scripted failure of a call that starts at once (no wait it could leave from)."""
+        failures = self._scripts[kind].failures
+        return _Entry(failures.popleft() if failures else None)
+
     async def _run_shielded(self, call: CallRecord) -> None:
         """The part of a call a thread would run: it cannot be cancelled once started."""
-        script = self._scripts[call.kind]
         with trio.CancelScope(shield=True):
-            if script.gate is not None and not script.gate.is_open:
-                await script.gate._pass(call)
-            if call.kind == "transfer" and self._link is not None:
-                async with self._link:
-                    await trio.sleep(script.next_latency(call))
-            else:
+            await self._pass_gate(call)
+            await self._take_latency(call)
+
+    async def _pass_gate(self, call: CallRecord) -> None:
+        gate = self._scripts[call.kind].gate
+        if gate is not None and not gate.is_open:
+            await gate._pass(call)
+
+    async def _take_latency(self, call: CallRecord) -> None:
+        script = self._scripts[call.kind]
+        if call.kind == "transfer" and self._link is not None:
+            async with self._link:
                 await trio.sleep(script.next_latency(call))
+        else:
+            await trio.sleep(script.next_latency(call))
 
     def _abandon(
         self, flight: _InFlightTransfer, local_address: int, remote_address: int, length: int
