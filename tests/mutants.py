@@ -447,6 +447,219 @@ MUTANTS: dict[str, Mutant] = {
             "tests/test_encoder_image_bounds.py::test_a_png_of_a_million_empty_chunks_is_refused_before_decoding",
         ),
     ),
+    "a poller that never wakes a send whose batches ended (isolation)": Mutant(
+        "engine/mooncake.py",
+        "        if not flight.batches:\n            return outcome.Value((flight.code, []))",
+        "        if False:\n            return outcome.Value((flight.code, []))",
+        ("tests/test_engine_poller.py::test_the_poller_wakes_each_send_when_its_own_batches_end",),
+    ),
+    "a poller that forgets an abandoned batch (failure 19)": Mutant(
+        "engine/mooncake.py",
+        "            return outcome.Value((flight.code or TRANSFER_FAILED, flight.batches))",
+        "            return outcome.Value((flight.code or TRANSFER_FAILED, []))",
+        (
+            "tests/test_engine_poller.py::test_a_cancelled_send_leaves_at_once_and_its_batches_stay_reading",
+        ),
+    ),
+    "a poller that ignores a cancelled caller (isolation)": Mutant(
+        "engine/mooncake.py",
+        "        if waited > flight.timeout or flight.stop.is_set():",
+        "        if waited > flight.timeout:",
+        (
+            "tests/test_engine_poller.py::test_a_cancelled_send_leaves_at_once_and_its_batches_stay_reading",
+        ),
+    ),
+    "a transfer holds its thread while it waits (isolation)": Mutant(
+        "engine/mooncake.py",
+        "        code, batches, nbytes = submit_segments(self.raw, write, flight.stop)\n",
+        "        code, batches, nbytes = submit_segments(self.raw, write, flight.stop)\n"
+        "        wait_until_done(list(batches), transfer_timeout(nbytes), stop=flight.stop)\n",
+        ("tests/test_engine_poller.py::test_sends_parked_on_frozen_receivers_hold_no_thread",),
+    ),
+    "the poller not woken for a new transfer (isolation)": Mutant(
+        "engine/mooncake.py",
+        "        if flight.due < self._wake_at:\n            self.wake()",
+        "        if False:\n            self.wake()",
+        ("tests/test_engine_poller.py::test_sends_parked_on_frozen_receivers_hold_no_thread",),
+    ),
+    "one client's share of transfers unchecked (isolation)": Mutant(
+        "settings.py",
+        "        if 2 * self.max_sends_per_client > cap:",
+        "        if False:",
+        (
+            "tests/test_client_share.py::test_a_client_s_share_is_at_most_half_the_engine_s_transfers",
+        ),
+    ),
+    "no engine-wide cap on transfers in flight (isolation)": Mutant(
+        "engine/threads.py",
+        "        self.in_flight = trio.CapacityLimiter(self.settings.transfers_in_flight)",
+        "        self.in_flight = trio.CapacityLimiter(1_000_000)",
+        (
+            "tests/test_isolation_mock_clock.py::test_the_engine_bounds_transfers_in_flight_on_the_mock_clock",
+        ),
+    ),
+    "concurrent first sends each probe (isolation)": Mutant(
+        "engine/mooncake.py",
+        "        probe = self._probing.get(session_id)",
+        "        probe = None",
+        (
+            "tests/test_isolation_processes.py::test_many_sends_to_a_rank_frozen_before_first_contact_leave_new_ranks_served",
+        ),
+    ),
+    "an error kind's documented status drifts (docs)": Mutant(
+        "errors.py",
+        "    status = 415",
+        "    status = 400",
+        (
+            "tests/test_docs_consistency.py::test_every_error_kind_the_docs_name_exists_with_its_status",
+        ),
+    ),
+    "a metric the dashboard queries is renamed (docs)": Mutant(
+        "server/metrics.py",
+        "    held_transfer_bytes = _Metric(Gauge)",
+        "    held_bytes = _Metric(Gauge)",
+        ("tests/test_deploy.py::test_every_dashboard_query_names_only_what_the_server_exports",),
+    ),
+    "the default port drifts from the probes' (docs)": Mutant(
+        "settings.py",
+        "    port: int = server_setting(8000, ge=0, le=65535)",
+        "    port: int = server_setting(8080, ge=0, le=65535)",
+        ("tests/test_deploy.py::test_the_manifest_wires_the_probes_to_the_real_routes_and_port",),
+    ),
+    "the ready line before the warm-up (first hour)": Mutant(
+        "server/loading.py",
+        "            await nursery.start(encoder.run)\n",
+        "            nursery.start_soon(encoder.run)\n",
+        (
+            "tests/test_first_hour.py::test_the_ready_line_comes_after_serving_on_and_the_first_request_after_it_is_served",
+        ),
+    ),
+    "a config-only model directory accepted (first hour)": Mutant(
+        "encoder/hf.py",
+        "    if not files:\n",
+        "    if False:\n",
+        (
+            "tests/test_first_hour.py::test_a_model_directory_the_loader_would_fail_on_is_refused_before_listening",
+        ),
+    ),
+    "rdma without devices accepted (first hour)": Mutant(
+        "engine/rdma_devices.py",
+        "    if not found:\n",
+        "    if False:\n",
+        (
+            "tests/test_first_hour.py::test_rdma_is_refused_without_devices_and_named_devices_must_exist",
+        ),
+    ),
+    "--dtype auto ignores the model's config (first hour)": Mutant(
+        "encoder/settings.py",
+        '        return config_dtype(self.model / "config.json")\n',
+        '        return "float32"\n',
+        ("tests/test_first_hour.py::test_dtype_auto_is_the_model_directory_s_own",),
+    ),
+    "errors name the setting, not the flag typed (first hour)": Mutant(
+        "options.py",
+        "    return named[flat] if flat in named else describe(loc)\n",
+        "    return describe(loc)\n",
+        (
+            "tests/test_first_hour.py::test_an_error_names_the_flag_or_the_variable_the_value_came_from",
+        ),
+    ),
+    "progress cut off a terminal (first hour)": Mutant(
+        "tools/progress.py",
+        "        self._plain = enabled and not self._console.is_terminal\n",
+        "        self._plain = False\n",
+        ("tests/test_first_hour.py::test_progress_off_a_terminal_is_whole_plain_lines",),
+    ),
+    "receive reports a landing with a hole (first hour)": Mutant(
+        "tools/receive.py",
+        "        if len(written) != last_word + 1:\n            return None\n",
+        "",
+        ("tests/test_receive.py::test_a_landing_is_the_run_up_to_the_last_byte_no_longer_fill",),
+    ),
+    "a fast route skips the token (hot path)": Mutant(
+        "server/app.py",
+        "        if self.expected is not None and path in _PROTECTED:",
+        "        if False:",
+        (
+            "tests/test_server_fast_routes.py::test_the_fast_routes_answer_log_and_count_exactly_as_quart_does",
+        ),
+    ),
+    "a fast route logs and counts nothing (hot path)": Mutant(
+        "server/app.py",
+        "        self.record(",
+        "        (lambda *a: None)(",
+        (
+            "tests/test_server_fast_routes.py::test_the_fast_routes_answer_log_and_count_exactly_as_quart_does",
+        ),
+    ),
+    "the log writer wakes per line (hot path)": Mutant(
+        "logs.py",
+        "            _linger()\n"
+        "            with self._wake:\n                lines = list(self._pending)",
+        "            with self._wake:\n                lines = list(self._pending)",
+        (
+            "tests/test_log_sink.py::test_a_woken_writer_lingers_so_lines_arriving_meanwhile_go_in_one_write_and_one_wake",
+        ),
+    ),
+    "a video's duration unbounded (video)": Mutant(
+        "encoder/video.py",
+        "if seconds is not None and seconds > limits.max_seconds:",
+        "if seconds is not None and seconds > limits.max_seconds * 1000:",
+        (
+            "tests/test_encoder_video.py::test_a_tiny_file_claiming_hours_is_refused_from_its_header",
+        ),
+    ),
+    "a video's frames x pixels unchecked after the header (video)": Mutant(
+        "encoder/video.py",
+        "if len(pts) > limits.max_frames or len(pts) * pixels > limits.max_pixels:",
+        "if False:",
+        (
+            "tests/test_encoder_video.py::test_a_header_understating_the_stream_is_caught_by_the_packet_walk",
+        ),
+    ),
+    "a frame larger than declared decoded (video)": Mutant(
+        "encoder/video.py",
+        "if (frame.width, frame.height) != (width, height):",
+        "if False:",
+        (
+            "tests/test_encoder_video.py::test_a_frame_larger_than_declared_is_stopped_while_decoding",
+        ),
+    ),
+    "a video decode without its CPU budget (video)": Mutant(
+        "encoder/video.py",
+        "    if _cpu_clock() - started > limits.budget_s:",
+        "    if False:",
+        ("tests/test_encoder_video.py::test_a_decode_past_its_budget_is_stopped",),
+    ),
+    "frames past the packet count decoded (video)": Mutant(
+        "encoder/video.py",
+        "if self.fresh > self.packets or self.decoded > 2 * self.packets:",
+        "if self.decoded > 2 * self.packets:",
+        ("tests/test_encoder_video.py::test_frames_past_the_packet_count_are_stopped",),
+    ),
+    "frames chosen off SGLang's rule (video)": Mutant(
+        "encoder/video.py",
+        "count = math.floor(count / FRAME_FACTOR) * FRAME_FACTOR",
+        "count = math.ceil(count / FRAME_FACTOR) * FRAME_FACTOR",
+        ("tests/test_encoder_video.py::test_frame_indices_follow_sglangs_rule",),
+    ),
+    "the keep-alive timer never closes an idle connection (connections)": Mutant(
+        "server/connections.py",
+        "        with trio.CancelScope(shield=True):\n"
+        "            await self._connection._initiate_server_close()",
+        "        with trio.CancelScope(shield=True):\n            await trio.sleep_forever()",
+        (
+            "tests/test_server_keep_alive.py::test_an_idle_connection_closes_after_the_timeout_and_a_long_call_is_never_cut",
+        ),
+    ),
+    "the keep-alive timer cuts a long call (connections)": Mutant(
+        "server/connections.py",
+        "        self._idle = False\n        self._scope.deadline = math.inf",
+        "        self._idle = False",
+        (
+            "tests/test_server_keep_alive.py::test_an_idle_connection_closes_after_the_timeout_and_a_long_call_is_never_cut",
+        ),
+    ),
 }
 
 

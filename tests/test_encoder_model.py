@@ -125,7 +125,10 @@ def test_bfloat16_model_is_close_to_float32() -> None:
     [
         ({"image_size": 30}, "not a multiple of patch_size"),
         ({"width": 33}, "not divisible by heads"),
-        ({"dtype": "float64"}, r"dtype\s+Input should be 'float32', 'bfloat16', 'float16' or 'auto'"),
+        (
+            {"dtype": "float64"},
+            r"dtype\s+Input should be 'float32', 'bfloat16', 'float16' or 'auto'",
+        ),
         ({"max_batch_size": 0}, r"max_batch_size\s+Input should be greater than 0"),
         ({"cache_bytes": -1}, r"cache_bytes\s+Input should be greater than or equal to 0"),
     ],
