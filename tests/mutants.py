@@ -660,6 +660,12 @@ MUTANTS: dict[str, Mutant] = {
             "tests/test_server_keep_alive.py::test_an_idle_connection_closes_after_the_timeout_and_a_long_call_is_never_cut",
         ),
     ),
+    "the keep-alive timer outlives its connection's reading (connections)": Mutant(
+        "server/connections.py",
+        "            self.idle_task.end()  # type: ignore[attr-defined]",
+        "            pass",
+        ("tests/hostile/test_connections.py::test_a_round_of_every_connection_abuse",),
+    ),
 }
 
 

@@ -8,11 +8,13 @@ and raw sockets, so only the connection layer is measured."""
 from __future__ import annotations
 
 import socket
+import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import pytest
 import trio
 from hypercorn.app_wrappers import ASGIWrapper
 from hypercorn.config import Config, Sockets
@@ -20,6 +22,8 @@ from hypercorn.config import Config, Sockets
 from trio_encode.server.connections import serve_connections
 
 KEEP_ALIVE = 0.5
+SLOW = 3 * KEEP_ALIVE
+"""What ``/slow`` takes: longer than the idle timeout, which must not cut it."""
 REQUEST = b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n"
 QUICK = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
 
@@ -34,7 +38,7 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
                 await send({"type": "lifespan.shutdown.complete"})
                 return
     if scope["path"] == "/slow":
-        await trio.sleep(3 * KEEP_ALIVE)  # longer than the idle timeout: must not be cut
+        await trio.sleep(SLOW)
     await send(
         {"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]}
     )
@@ -106,3 +110,25 @@ async def test_a_shutdown_closes_idle_connections_at_once() -> None:
             stop.set()
             assert await trio.to_thread.run_sync(sock.recv, 65536) == b""
             assert time.monotonic() - started < KEEP_ALIVE * 0.8
+
+
+async def test_a_client_that_half_closes_gets_its_answer_and_the_close_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its reading over, the connection closes once answered, not when the timer would."""
+    monkeypatch.setattr(sys.modules[__name__], "KEEP_ALIVE", 30.0)
+
+    def half_closed(port: int) -> tuple[bytes, float]:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(REQUEST)  # answered after the server has read the client's end
+            sock.shutdown(socket.SHUT_WR)
+            started = time.monotonic()
+            data = b""
+            while chunk := sock.recv(65536):
+                data += chunk
+            return data, time.monotonic() - started
+
+    async with serving() as (port, _):
+        data, closed_after = await trio.to_thread.run_sync(half_closed, port)
+    assert data.startswith(b"HTTP/1.1 200"), data
+    assert closed_after < SLOW + 3.0, closed_after

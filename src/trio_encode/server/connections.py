@@ -134,6 +134,14 @@ class _Connection(TCPServer):
         super().__init__(*args)
         self.idle_task = _IdleTimer(self)  # type: ignore[assignment]
 
+    async def _read_data(self) -> None:
+        try:
+            await super()._read_data()
+        finally:
+            # The client has closed (or the socket failed): the timer has nothing left to
+            # time, and the connection's task group must not wait for it.
+            self.idle_task.end()  # type: ignore[attr-defined]
+
 
 class _IdleTimer:
     """Stands in for hypercorn's ``TrioSingleTask`` as the keep-alive timer of one connection.
@@ -150,6 +158,7 @@ class _IdleTimer:
         self._idle = False
         self._stopping = False
         """The server is shutting down: the connection closes as soon as it is idle."""
+        self._ended = False
 
     async def restart(self, task_group: Any, action: object) -> None:
         self._idle = True
@@ -164,12 +173,20 @@ class _IdleTimer:
         self._idle = False
         self._scope.deadline = math.inf
 
+    def end(self) -> None:
+        """The connection's reading has ended: stop timing without closing anything (what
+        is still being answered is answered, then the connection closes as it ends)."""
+        self._ended = True
+        self._scope.cancel()
+
     async def _run(self) -> None:
         with self._scope:
             await self._connection.context.terminated.wait()
             self._stopping = True
             if not self._idle:
                 await trio.sleep_forever()  # until the answer's ``restart``, due at once
+        if self._ended:
+            return
         with trio.CancelScope(shield=True):
             await self._connection._initiate_server_close()
 
