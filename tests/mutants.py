@@ -666,6 +666,13 @@ MUTANTS: dict[str, Mutant] = {
         "            pass",
         ("tests/hostile/test_connections.py::test_a_round_of_every_connection_abuse",),
     ),
+    "the model interface imports a model again (layers)": Mutant(
+        "encoder/backend.py",
+        "from trio_encode.encoder.images import Preprocess, decode_image\n",
+        "from trio_encode.encoder.images import Preprocess, decode_image\n\n\n"
+        "def _circle() -> None:\n    from trio_encode.encoder.hf import load_hf_model  # noqa: F401\n",
+        ("tests/test_layers.py::test_no_modules_import_each_other_around_a_circle",),
+    ),
 }
 
 

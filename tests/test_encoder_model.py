@@ -10,7 +10,7 @@ import torch
 
 from support.models import fixed
 from trio_encode.embedding import TORCH_DTYPES
-from trio_encode.encoder.backend import load_backend
+from trio_encode.encoder.loader import load_backend
 from trio_encode.encoder.model import (
     BuiltinBackend,
     build_model,

@@ -116,3 +116,70 @@ def test_the_rule_reads_nested_imports(tmp_path: Path) -> None:
     source = tmp_path / "lazy.py"
     source.write_text("def f():\n    from trio_encode.tools.bench import run\n")
     assert list(imports(source)) == [(2, "trio_encode.tools.bench")]
+
+
+def module_graph() -> dict[str, set[str]]:
+    """Each module of the package and the modules it imports (nested imports too; imports for
+    type checking only are no arrows at run time and are left out)."""
+    modules = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(), str(path))
+        typing_only = {
+            id(inner)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for inner in ast.walk(node)
+        }
+        targets: set[str] = set()
+        for node in ast.walk(tree):
+            if id(node) in typing_only or not isinstance(node, ast.ImportFrom):
+                continue
+            if node.module is None or node.level or not node.module.startswith("trio_encode"):
+                continue
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                targets.add(full if full in modules else node.module)
+        graph[name] = {target for target in targets if target in modules and target != name}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The groups of modules that import each other, directly or around a circle."""
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        order[module] = low[module] = len(order)
+        stack.append(module)
+        for target in sorted(graph[module]):
+            if target not in order:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], order[target])
+        if low[module] == order[module]:
+            group = []
+            while True:
+                member = stack.pop()
+                group.append(member)
+                if member == module:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for module in sorted(graph):
+        if module not in order:
+            visit(module)
+    return found
+
+
+def test_no_modules_import_each_other_around_a_circle() -> None:
+    assert circles(module_graph()) == []
+
+
+def test_a_circle_is_found() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert circles(graph) == [["a", "b", "c"]]

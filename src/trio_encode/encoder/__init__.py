@@ -18,12 +18,12 @@ if TYPE_CHECKING:
         VisionBackend,
         VisionModel,
         as_model,
-        load_backend,
     )
     from trio_encode.encoder.batcher import ThreadRunner
     from trio_encode.encoder.cache import CacheKey, EmbeddingCache, content_key
     from trio_encode.encoder.front import EncoderInfo, ImageEncoder, arena_for
     from trio_encode.encoder.images import Preprocess, decode_image, load_item
+    from trio_encode.encoder.loader import load_backend
     from trio_encode.encoder.observer import EncoderObserver, NullEncoderObserver
     from trio_encode.encoder.settings import EncoderSettings
     from trio_encode.request_types import Grid
@@ -47,7 +47,7 @@ _HOMES = {
     "as_model": "trio_encode.encoder.backend",
     "content_key": "trio_encode.encoder.cache",
     "decode_image": "trio_encode.encoder.images",
-    "load_backend": "trio_encode.encoder.backend",
+    "load_backend": "trio_encode.encoder.loader",
     "load_item": "trio_encode.encoder.images",
 }
 

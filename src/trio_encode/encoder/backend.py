@@ -1,4 +1,4 @@
-"""The interface every vision model is wrapped to, and the loader that picks one.
+"""The interface every vision model is wrapped to.
 
 The batcher knows only :class:`VisionModel`: an image's bytes become a :class:`Prepared` (the
 model's own preprocessing, its token count and, for dynamic-resolution models, its grid), and a
@@ -16,7 +16,6 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from trio_encode.encoder.images import Preprocess, decode_image
-from trio_encode.encoder.settings import EncoderSettings
 from trio_encode.request_types import Grid
 
 
@@ -113,22 +112,3 @@ def as_model(backend: VisionModel | VisionBackend) -> VisionModel:
     if isinstance(backend, VisionModel):
         return backend
     return FixedShape(backend)
-
-
-def load_backend(settings: EncoderSettings) -> VisionModel:
-    """The model the settings name. Blocking (reads weights): call it before serving or from a
-    worker thread."""
-    if settings.torch_threads is not None:
-        torch.set_num_threads(settings.torch_threads)
-    if settings.model is not None:
-        from trio_encode.encoder.hf import load_hf_model
-
-        return load_hf_model(settings)
-    if settings.device != "cpu":
-        raise ValueError(
-            f"device {settings.device}: the built-in ViT runs on the cpu only; serve a VLM "
-            "directory (model) to run on a GPU"
-        )
-    from trio_encode.encoder.model import BuiltinBackend
-
-    return FixedShape(BuiltinBackend(settings))

@@ -46,12 +46,12 @@ from trio_encode.encoder.backend import (
     VisionBackend,
     VisionModel,
     as_model,
-    load_backend,
 )
 from trio_encode.encoder.batcher import Batcher, Job, ThreadRunner, release_all
 from trio_encode.encoder.cache import CacheKey, EmbeddingCache, content_key
 from trio_encode.encoder.fetch import FetchPolicy, RemoteFetcher, is_remote
 from trio_encode.encoder.images import ImageTooBig, image_pixels, load_item
+from trio_encode.encoder.loader import load_backend
 from trio_encode.encoder.observer import EncoderObserver, NullEncoderObserver
 from trio_encode.encoder.settings import EncoderSettings
 from trio_encode.encoder.store import EmbeddingStore, store_key
