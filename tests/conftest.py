@@ -18,6 +18,7 @@ import torch
 import trio
 
 import trio_encode.server.serve
+import trio_encode.tools.drill_serve
 from support.engines import RankEngines, create_rank_engines
 from trio_encode.engine import TransferEngine
 from trio_encode.engine.mooncake import MooncakeEngine, MooncakeSettings
@@ -196,23 +197,25 @@ def rank_engines() -> RankEngines:
 
 
 @pytest.fixture
-def wrappers() -> list[Any]:
-    """The engine wrappers the ``captured`` fake server was given, in order."""
+def drills() -> list[Any]:
+    """The drills the ``captured`` fake drill server was given, in order."""
     return []
 
 
 @pytest.fixture
-def captured(monkeypatch: pytest.MonkeyPatch, wrappers: list[Any]) -> list[ServerSettings]:
-    """Replaces the server with one that records its settings (and its engine wrapper, in
-    ``wrappers``) and stops at once."""
+def captured(monkeypatch: pytest.MonkeyPatch, drills: list[Any]) -> list[ServerSettings]:
+    """Replaces the server (and the drill server) with one that records its settings (and
+    its drill, in ``drills``) and stops at once."""
     seen: list[ServerSettings] = []
 
-    async def fake_run_server(
-        settings: ServerSettings, *, wrap_engine: Any, wrap_model: Any
-    ) -> ShutdownReport:
+    async def fake_run_server(settings: ServerSettings) -> ShutdownReport:
         seen.append(settings)
-        wrappers.append(wrap_engine)
         return ShutdownReport(finished=0, cut_short=0)
 
+    async def fake_run_drill_server(settings: ServerSettings, drill: Any) -> ShutdownReport:
+        drills.append(drill)
+        return await fake_run_server(settings)
+
+    monkeypatch.setattr(trio_encode.tools.drill_serve, "run_drill_server", fake_run_drill_server)
     monkeypatch.setattr(trio_encode.server.serve, "run_server", fake_run_server)
     return seen

@@ -673,6 +673,15 @@ MUTANTS: dict[str, Mutant] = {
         "def _circle() -> None:\n    from trio_encode.encoder.hf import load_hf_model  # noqa: F401\n",
         ("tests/test_layers.py::test_no_modules_import_each_other_around_a_circle",),
     ),
+    "the product serve takes a drill's options again (layers)": Mutant(
+        "cli.py",
+        "@server_options(*SERVE_GROUPS)\ndef serve(",
+        "@server_options(*SERVE_GROUPS)\n@model_options(_drill_settings)\ndef serve(",
+        (
+            "tests/test_layers.py::"
+            "test_the_serve_command_imports_nothing_from_the_tools_or_the_test_doubles",
+        ),
+    ),
 }
 
 

@@ -249,18 +249,21 @@ def test_encoder_settings_that_do_not_fit_together_are_a_usage_error(
     assert not captured
 
 
-def test_engine_faults_are_off_unless_asked_for(
-    captured: list[ServerSettings], wrappers: list[Any]
+def test_engine_faults_are_a_drill_s_never_serve_s(
+    captured: list[ServerSettings], drills: list[Any]
 ) -> None:
-    assert CliRunner().invoke(cli, ["serve"]).exit_code == 0
+    refused = CliRunner().invoke(cli, ["serve", "--engine-faults", "transfer=0.1"])
+    assert refused.exit_code == 2
+    assert "No such option '--engine-faults'" in refused.output
+    assert CliRunner().invoke(cli, ["drill-serve"]).exit_code == 0
     plan = ["--engine-faults", "register=0.01,transfer=0.02,seed=3"]
-    assert CliRunner().invoke(cli, ["serve", *plan]).exit_code == 0
+    assert CliRunner().invoke(cli, ["drill-serve", *plan]).exit_code == 0
     engine: Any = object()  # the wrapper only holds it
-    off, on = (wrap(engine) for wrap in wrappers)
+    off, on = (drill.wrap(engine) for drill in drills)
     assert off is engine
     assert isinstance(on, FaultyEngine)
     assert on.plan == FaultPlan(register=0.01, transfer=0.02, seed=3)
-    refused = CliRunner().invoke(cli, ["serve", "--engine-faults", "transfer=3"])
+    refused = CliRunner().invoke(cli, ["drill-serve", "--engine-faults", "transfer=3"])
     assert refused.exit_code == 2
     assert "not in [0, 1]" in refused.output
     assert len(captured) == 2
@@ -291,8 +294,10 @@ def test_tools_refuse_bad_options_before_starting_anything(
     assert not captured
 
 
-def _served_with(flags: list[str], captured: list[ServerSettings]) -> ServerSettings:
-    result = CliRunner().invoke(cli, ["serve", *flags], env={"TRIO_ENCODE_DEPTH": "3"})
+def _served_with(
+    flags: list[str], captured: list[ServerSettings], command: str = "serve"
+) -> ServerSettings:
+    result = CliRunner().invoke(cli, [command, *flags], env={"TRIO_ENCODE_DEPTH": "3"})
     assert result.exit_code == 0, result.output
     return captured.pop()
 
@@ -304,7 +309,7 @@ def test_child_servers_get_exactly_the_settings_their_tool_declares(
     they declare; no variable of this process leaks into them."""
     tiny = EncoderSettings(depth=1, warmup=False, torch_threads=1, cache_bytes=1 << 20)
     soak = SoakConfig(send_timeout=4.0, encoder=tiny)
-    assert _served_with(server_arguments(soak), captured) == soak.server()
+    assert _served_with(server_arguments(soak), captured, "drill-serve") == soak.server()
     assert "--engine-faults" in server_arguments(soak)
     assert "--engine-faults" not in server_arguments(SoakConfig(engine_faults=""))
     assert server_environment(soak)["MC_TRANSFER_TIMEOUT"] == str(soak.transfer_timeout)

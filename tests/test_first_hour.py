@@ -251,6 +251,7 @@ print(sorted(name for name in ("torch", "transformers") if name in sys.modules))
         "bench",
         "receive",
         "make-tiny-model",
+        "drill-serve",
         "soak",
     ],
 )

@@ -183,3 +183,32 @@ def test_no_modules_import_each_other_around_a_circle() -> None:
 def test_a_circle_is_found() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert circles(graph) == [["a", "b", "c"]]
+
+
+SERVE_COMMAND = ("serve", "_serve_settings", "_stopped", "_run")
+"""The functions of ``cli.py`` that ``trio-encode serve`` runs."""
+
+
+def test_the_serve_command_imports_nothing_from_the_tools_or_the_test_doubles() -> None:
+    """The drills compose a server of their own (``drill-serve``); ``serve`` is the product."""
+    tree = ast.parse((PACKAGE / "cli.py").read_text())
+    functions = {
+        node.name: node
+        for node in tree.body
+        if isinstance(node, ast.FunctionDef) and node.name in SERVE_COMMAND
+    }
+    assert set(functions) == set(SERVE_COMMAND)
+    found = [
+        f"{name}: {node.module}"
+        for name, function in functions.items()
+        for node in ast.walk(function)
+        if isinstance(node, ast.ImportFrom)
+        and (node.module or "").startswith(("trio_encode.testing", "trio_encode.tools"))
+    ]
+    decorators = [
+        ast.unparse(decorator)
+        for decorator in functions["serve"].decorator_list
+        if "drill" in ast.unparse(decorator)
+    ]
+    assert not found, found
+    assert not decorators, decorators

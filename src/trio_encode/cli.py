@@ -18,7 +18,6 @@ import logging
 import os
 import sys
 from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +38,8 @@ from trio_encode.testing.costs import MODELS
 from trio_encode.testing.tiny_vlm import FAMILIES, family_named
 
 if TYPE_CHECKING:
+    from trio_encode.service import ShutdownReport
+    from trio_encode.settings import ServerSettings
     from trio_encode.testing.faults import DrillSettings
     from trio_encode.tools.bench.settings import BenchConfig
     from trio_encode.tools.demo import DemoSettings
@@ -91,23 +92,43 @@ def cli() -> None:
 
 @cli.command(cls=GroupedCommand)
 @server_options(*SERVE_GROUPS)
-@model_options(_drill_settings)
 def serve(**options: Any) -> None:
     """Serve POST /encode, POST /send, GET /health and GET /metrics until SIGINT/SIGTERM."""
-    from trio_encode.logs import capture_native_stderr, setup_logging
+    settings = _serve_settings(options)
+    from trio_encode.server.serve import run_server
+
+    _stopped(_run(run_server, settings))
+
+
+@cli.command("drill-serve", cls=GroupedCommand)
+@server_options(*SERVE_GROUPS)
+@model_options(_drill_settings)
+def drill_serve(**options: Any) -> None:
+    """Serve as serve does, with a drill's faults: engine calls failing with Mooncake's codes,
+    embeddings that name their images. For soaks and fault drills; never for production."""
     from trio_encode.settings import model_fields
 
     model = _drill_settings()
     own = given(options, model_fields(model))
     drill: DrillSettings = build(model, own)
-    settings = load_settings(given(options, set(options) - set(own)))
+    settings = _serve_settings({name: value for name, value in options.items() if name not in own})
+    from trio_encode.tools.drill_serve import run_drill_server
+
+    _stopped(_run(run_drill_server, settings, drill))
+
+
+def _serve_settings(options: dict[str, Any]) -> ServerSettings:
+    """The server's settings from its options, and logging set up as they say."""
+    from trio_encode.logs import capture_native_stderr, setup_logging
+
+    settings = load_settings(given(options, set(options)))
     setup_logging(settings.log_level, settings.log_format)
     if settings.log_format == "json":
         capture_native_stderr()  # Mooncake's glog lines and this command's own lines too
-    from trio_encode.server.serve import run_server
+    return settings
 
-    serving = partial(run_server, wrap_engine=drill.wrap, wrap_model=drill.wrap_model)
-    report = _run(serving, settings)
+
+def _stopped(report: ShutdownReport) -> None:
     # A log line, not an echo: the log's sink never blocks the exit on a reader gone or stuck.
     logging.getLogger("trio_encode.cli").info(
         "stopped: %d requests finished during shutdown, %d cut short%s",

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import logging
 import signal
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING
@@ -238,26 +238,50 @@ def warn_any_receiver(settings: ServerSettings) -> None:
         )
 
 
-async def run_server(
-    settings: ServerSettings,
-    *,
-    wrap_engine: Callable[[TransferEngine], TransferEngine] | None = None,
-    wrap_model: Callable[[VisionModel], VisionModel] | None = None,
-) -> ShutdownReport:
+async def run_server(settings: ServerSettings) -> ShutdownReport:
     """What ``trio-encode serve`` runs: a Mooncake engine, the server listening at once, the
     image encoder loading behind it (``/readyz`` is 503 until it is loaded), stopped gracefully
-    by SIGINT or SIGTERM. ``wrap_engine`` wraps the engine before anything uses it (a drill's
-    fault injector), ``wrap_model`` the model once loaded (a drill's stamped embeddings)."""
+    by SIGINT or SIGTERM. Built from the parts below (:func:`listening`, :func:`start_engine`,
+    :func:`run_listening`), which a drill composes with parts of its own."""
+    with listening(settings) as sockets:
+        engine = await start_engine(settings)
+        return await run_listening(settings, sockets, engine, model_loader(settings))
+
+
+@contextmanager
+def listening(settings: ServerSettings) -> Iterator[Sockets]:
+    """The server's sockets, bound and listening once what would fail after "serving on" has
+    been checked (:func:`check_start`); closed on the way out."""
     check_start(settings)
     # The port next: one in use stops the start before the engine and the arena exist.
     sockets = listen(settings)
     bound = sockets.insecure_sockets[0].getsockname()
     log.info("starting", extra=startup_facts(settings, bind=_bind(*bound[:2])))
     try:
-        return await _run_listening(settings, sockets, wrap_engine, wrap_model)
+        yield sockets
     finally:
         for sock in sockets.insecure_sockets:
             sock.close()  # idempotent: hypercorn closes those it served on
+
+
+async def start_engine(settings: ServerSettings) -> TransferEngine:
+    """The Mooncake engine the settings describe, its open ports named in the log."""
+    from trio_encode.engine.mooncake import MooncakeEngine
+
+    if settings.malloc_arenas is not None and not heap.limit_arenas(settings.malloc_arenas):
+        log.info("malloc arenas not limited (not glibc)")
+    before = listening_sockets()
+    engine = await MooncakeEngine.create(settings.engine)
+    log.info("transfer engine ready at %s over %s", engine.session_id, settings.engine.protocol)
+    warn_open_engine_ports(listening_sockets() - before)
+    return engine
+
+
+def model_loader(settings: ServerSettings) -> Callable[[], VisionModel]:
+    """Loads the model the settings name (blocking: run in a worker thread)."""
+    from trio_encode.encoder import load_backend
+
+    return partial(load_backend, settings.encoder)
 
 
 def check_start(settings: ServerSettings) -> None:
@@ -307,23 +331,16 @@ def startup_facts(settings: ServerSettings, *, bind: str) -> dict[str, str]:
     return facts
 
 
-async def _run_listening(
+async def run_listening(
     settings: ServerSettings,
     sockets: Sockets,
-    wrap_engine: Callable[[TransferEngine], TransferEngine] | None,
-    wrap_model: Callable[[VisionModel], VisionModel] | None = None,
+    engine: TransferEngine,
+    load_model: Callable[[], VisionModel],
 ) -> ShutdownReport:
-    from trio_encode.encoder import ImageEncoder, arena_for, load_backend
-    from trio_encode.engine.mooncake import MooncakeEngine
+    """Serve on ``sockets`` with ``engine`` until SIGINT or SIGTERM, the encoder built around
+    ``load_model()`` loading behind the listening server."""
+    from trio_encode.encoder import ImageEncoder, arena_for
 
-    if settings.malloc_arenas is not None and not heap.limit_arenas(settings.malloc_arenas):
-        log.info("malloc arenas not limited (not glibc)")
-    before = listening_sockets()
-    engine: TransferEngine = await MooncakeEngine.create(settings.engine)
-    log.info("transfer engine ready at %s over %s", engine.session_id, settings.engine.protocol)
-    warn_open_engine_ports(listening_sockets() - before)
-    if wrap_engine is not None:
-        engine = wrap_engine(engine)
     metrics = Metrics()
     store = None
     if settings.encoder.store_master is not None:
@@ -340,9 +357,7 @@ async def _run_listening(
     arena = arena_for(settings.encoder)
 
     def load() -> Encoder:
-        model = load_backend(settings.encoder)
-        if wrap_model is not None:
-            model = wrap_model(model)
+        model = load_model()
         encoder = ImageEncoder(model, settings.encoder, observer=metrics, store=store, arena=arena)
         log.info("encoder loaded: %s", encoder.info.model_id)
         return encoder

@@ -303,7 +303,7 @@ def server_environment(config: SoakConfig) -> dict[str, str]:
 
 
 def server_arguments(config: SoakConfig) -> list[str]:
-    """The server's command line: its settings, and the drill's engine faults."""
+    """The server's command line (``drill-serve``'s): its settings, and the drill's."""
     drill = DrillSettings(engine_faults=config.engine_faults, stamp_embeddings=True)
     given = {name: getattr(drill, name) for name in model_fields(DrillSettings)}
     return serve_flags(config.server()) + flags({k: v for k, v in given.items() if v is not None})
@@ -738,7 +738,10 @@ async def run_soak(config: SoakConfig) -> SoakResult:
     async with AsyncExitStack() as stack:
         server = await stack.enter_async_context(
             open_server_process(
-                server_arguments(config), env=server_environment(config), stop_timeout=30
+                server_arguments(config),
+                env=server_environment(config),
+                stop_timeout=30,
+                command="drill-serve",
             )
         )
         soak = _Soak(config, workload, server)

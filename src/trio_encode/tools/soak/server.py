@@ -82,16 +82,18 @@ async def open_server_process(
     *,
     start_timeout: float = 120.0,
     stop_timeout: float = 60.0,
+    command: str = "serve",
 ) -> AsyncIterator[ServerProcess]:
-    """Run ``trio-encode serve --port 0 ARGS`` with ``env`` added to this process's
-    environment, less its ``TRIO_ENCODE_*`` variables (``ARGS`` are all its settings).
+    """Run ``trio-encode COMMAND --port 0 ARGS`` (``serve``, or ``drill-serve`` for a drill's
+    faults) with ``env`` added to this process's environment, less its ``TRIO_ENCODE_*``
+    variables (``ARGS`` are all its settings).
 
     Yields once it is ready (``/readyz`` answers 200); on exit stops it (SIGTERM, then SIGKILL after
     ``stop_timeout``) and keeps reading its log until it has gone.
     """
-    command = [sys.executable, "-m", "trio_encode.cli", "serve", "--port", "0", *args]
+    argv = [sys.executable, "-m", "trio_encode.cli", command, "--port", "0", *args]
     full_env = {"MC_LOG_LEVEL": "ERROR", **child_environment(env)}
-    process = await trio.lowlevel.open_process(command, stderr=subprocess.PIPE, env=full_env)
+    process = await trio.lowlevel.open_process(argv, stderr=subprocess.PIPE, env=full_env)
     server = ServerProcess(process)
     try:
         async with trio.open_nursery() as nursery:
