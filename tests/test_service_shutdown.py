@@ -109,7 +109,7 @@ async def test_a_second_signal_cuts_the_grace_short() -> None:
         await trio.sleep(0.2)
         assert len(running.service.registry) == 1  # still in its grace
         os.kill(os.getpid(), signal.SIGINT)
-    assert trio.current_time() - began < 5
+    assert trio.current_time() - began < 10  # the grace is 30 s: cut short, even on a busy machine
     report = running.service.shutdown_report
     assert report is not None
     assert report.cut_short == 1
