@@ -670,7 +670,8 @@ MUTANTS: dict[str, Mutant] = {
         "encoder/backend.py",
         "from trio_encode.encoder.images import Preprocess, decode_image\n",
         "from trio_encode.encoder.images import Preprocess, decode_image\n\n\n"
-        "def _circle() -> None:\n    from trio_encode.encoder.hf import load_hf_model  # noqa: F401\n",
+        "def _circle() -> None:\n"
+        "    from trio_encode.encoder.hf import load_hf_model  # noqa: F401\n",
         ("tests/test_layers.py::test_no_modules_import_each_other_around_a_circle",),
     ),
     "the product serve takes a drill's options again (layers)": Mutant(

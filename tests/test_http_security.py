@@ -168,10 +168,10 @@ async def test_live_requests_are_capped_and_the_cap_says_when_to_retry(
         await harness.client.send("a", pool.session_id, pool.allocate(embedding_size(1)).address)
         # Its 200 comes once the bytes landed; the scope then releases, and only then is its
         # place free (a retry after Retry-After finds it so).
-        registry = harness.running.service.registry
-        with trio.fail_after(5):
-            while registry.live("a") is not None:
-                await trio.sleep(0.01)
+        scope = harness.running.service.registry.live("a")
+        if scope is not None:
+            with trio.fail_after(5):
+                await scope.wait_ended()
         await harness.client.encode("c", [image_uri("c")], receive_count=1)
         for req_id in ("b", "c"):
             slot = pool.allocate(embedding_size(1))
