@@ -58,7 +58,8 @@ async def test_a_connection_whose_server_task_raises_ends_alone(
     rank_engines: RankEngines, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(connections, "_Connection", _FailsWhenArmed)
-    async with http_server(rank_engines.server) as harness:
+    # Its request is never sent: no grace for it at the end (30 s by default).
+    async with http_server(rank_engines.server, shutdown_grace=0.0) as harness:
         port = int(harness.running.url.rsplit(":", 1)[1])
         probe = b"GET /livez HTTP/1.1\r\nHost: x\r\n\r\n"
         # This connection's task raises: it is closed without an answer...
@@ -85,7 +86,9 @@ async def test_bodies_in_flight_share_one_budget_and_one_client_holds_half(
     budget = 2 * size + size // 2
     encoder = StandInEncoder(slow_seconds=2.0)
     async with (
-        http_server(rank_engines.server, encoder, max_bodies_in_flight_bytes=budget) as harness,
+        http_server(
+            rank_engines.server, encoder, max_bodies_in_flight_bytes=budget, shutdown_grace=0.0
+        ) as harness,
         httpx.AsyncClient(base_url=harness.running.url, timeout=30) as http,
     ):
         answers: dict[str, httpx.Response] = {}
