@@ -1,4 +1,4 @@
-"""A deployment's first hour (issue 25): what an operator meets before the first request.
+"""A deployment's first hour: what an operator meets before the first request.
 
 A "ready" line once the warm-up is done; a model directory or RDMA that cannot work refused
 before "serving on", naming the flag; ``--dtype auto``; errors naming what the user typed;

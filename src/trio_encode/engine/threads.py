@@ -69,25 +69,12 @@ async def run_in_thread(
     ``on_cancel`` when the caller is cancelled while the thread runs (``fn`` may then stop
     early; the caller still waits for it).
     """
-    borrower = object()
-    await _acquire(limiter, borrower)
-    if starting is not None:
-        starting()
     task = trio.lowlevel.current_task()
-    token = trio.lowlevel.current_trio_token()
 
-    def back_in_trio(result: outcome.Outcome[T]) -> None:
-        limiter.release_on_behalf_of(borrower)
+    def done(result: outcome.Outcome[T]) -> None:
         trio.lowlevel.reschedule(task, outcome.Value(result))
 
-    def deliver(result: outcome.Outcome[T]) -> None:
-        token.run_sync_soon(back_in_trio, result)
-
-    try:
-        trio.lowlevel.start_thread_soon(fn, deliver)
-    except BaseException:
-        limiter.release_on_behalf_of(borrower)
-        raise
+    await start_in_thread(fn, limiter, starting=starting, done=done)
 
     def never_abandon(_: Any) -> trio.lowlevel.Abort:
         if on_cancel is not None:
