@@ -36,6 +36,7 @@ INVARIANTS = "tests/test_scope_invariants.py::"
 FAULTS = "tests/test_scope_faults.py::"
 EXPLORE = "tests/test_explore.py::"
 HELD = "tests/test_scope_held_memory.py::"
+STATE = "tests/test_request_state.py::"
 PAUSED = (
     "tests/test_scope_held_memory_mooncake.py::"
     "test_a_paused_rank_receives_its_own_bytes_when_it_resumes_never_the_next_requests"
@@ -120,14 +121,15 @@ MUTANTS: dict[str, Mutant] = {
         (INVARIANTS + "test_cancelling_the_service_nursery_still_deregisters",),
     ),
     "retry counted as a new receiver (failure 7)": Mutant(
-        "scope.py",
-        "            self._done.add(attempt.receiver)",
-        "            self._done.add(Receiver(attempt.receiver.session_id, -len(self._done) - 1))",
+        "request_state.py",
+        "        self.done.add(receiver)",
+        "        self.done.add(Receiver(receiver.session_id, -len(self.done) - 1))",
         (INVARIANTS + "test_retry_from_the_same_receiver_is_not_a_new_receiver",),
     ),
     "failed encode leaves the scope open (failure 8)": Mutant(
         "scope.py",
-        '            self._finish("encode_failed")\n        else:',
+        '            self._finish("encode_failed", Failure(EncodeFailed, f"the encoder failed: '
+        '{exc}"))\n        else:',
         "            pass\n        else:",
         (INVARIANTS + "test_failed_encode_answers_every_waiting_sender",),
     ),
@@ -216,8 +218,8 @@ MUTANTS: dict[str, Mutant] = {
     ),
     "a 503 from the encoder is remembered (failure 14)": Mutant(
         "scope.py",
-        'self._finish("refused")',
-        'self._finish("encode_failed")',
+        'self._finish("refused", Failure.of(exc))',
+        'self._finish("encode_failed", Failure.of(exc))',
         (FAULTS + "test_a_transient_refusal_leaves_nothing_behind",),
     ),
     "a second shutdown request restarts the grace (failure 15)": Mutant(
@@ -244,13 +246,30 @@ MUTANTS: dict[str, Mutant] = {
         ),
     ),
     "a served rank's lost answer becomes a 410 (failure 18)": Mutant(
-        "ending.py",
-        "            if again is not None:\n                return again\n",
-        "            if False:\n                return again\n",
+        "request_state.py",
+        "        if again is not None:\n            return again\n",
+        "        if False:\n            return again\n",
         (
             FAULTS + "test_a_served_receiver_that_retries_after_completion_gets_its_answer_again",
-            "tests/test_ending.py::"
-            "test_a_served_receiver_gets_its_answer_again_and_any_other_the_end",
+            STATE + "test_a_served_receiver_gets_its_answer_again_and_any_other_the_end",
+        ),
+    ),
+    "the last end reason rewrites the first": Mutant(
+        "request_state.py",
+        "        if self.reason is None:\n            self.reason = reason",
+        "        if True:\n            self.reason = reason",
+        (
+            STATE + "test_the_first_end_reason_and_failure_stand",
+            INVARIANTS + "test_after_every_scope_ends_nothing_is_held",
+        ),
+    ),
+    "a bad input's tombstone refuses the corrected /encode": Mutant(
+        "request_state.py",
+        "    if ended is not None and not (ended.gone and ended.reason in RETRIABLE):",
+        "    if ended is not None:",
+        (
+            STATE + "test_a_remembered_bad_input_is_not_held_against_a_corrected_encode",
+            INVARIANTS + "test_registry_rules",
         ),
     ),
     "the tombstone limit forgets the newest ended request": Mutant(

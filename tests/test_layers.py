@@ -31,7 +31,7 @@ LAYERS: tuple[frozenset[str], ...] = tuple(
         "service",  # the service nursery: scopes, pulls, the encoder and the engine together
         "scopes",  # the live scopes, by req_id
         "scope arrivals completion receivers",  # a request's life; pulls; completion; receivers
-        "ending",  # how a request ended, and what a late call gets from it
+        "request_state held",  # a request's state and what a late call gets; held memory
         "ledger",  # at most one live registration for any byte
         "client",  # the prefill side's client (beside the server, never importing it)
         "encoder",  # images -> embeddings, the cache, the store

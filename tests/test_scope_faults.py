@@ -20,7 +20,6 @@ import trio.testing
 
 from support.lifecycle_rig import SeededEncoder, lifecycle_rig, make_embedding
 from trio_encode.embedding import Embedding, checksum_of
-from trio_encode.ending import late_call
 from trio_encode.engine import INVALID_ADDRESS, TRANSFER_FAILED, EngineError
 from trio_encode.engine.threads import ThreadSettings
 from trio_encode.errors import (
@@ -493,13 +492,13 @@ async def test_a_served_receiver_that_retries_after_completion_gets_its_answer_a
         await scope.wait_ended()
         transfers = rig.sender.count("transfer")
 
-        repeat = late_call("send", "r1", rig.registry.ended("r1"), receiver=a.receiver)
+        repeat = rig.registry.answer("send", "r1", receiver=a.receiver)
         assert repeat is not None
         assert repeat.repeat
         assert repeat.shape == first.shape
         assert (repeat.receivers_done, repeat.receive_count) == (2, 2)
         with pytest.raises(RequestReleased):
-            late_call("send", "r1", rig.registry.ended("r1"), receiver=stranger.receiver)
+            rig.registry.answer("send", "r1", receiver=stranger.receiver)
         with pytest.raises(RequestReleased):
             rig.registry.require_live("r1")
         assert rig.sender.count("transfer") == transfers

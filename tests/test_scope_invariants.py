@@ -19,6 +19,7 @@ from trio_encode.embedding import Embedding
 from trio_encode.engine import TRANSFER_FAILED, EngineError
 from trio_encode.errors import (
     EncodeFailed,
+    InvalidInput,
     ReceiveCountConflict,
     RequestReleased,
     ScopeExpired,
@@ -461,7 +462,7 @@ async def test_deregistration_failure_is_logged_and_counted(
 
 async def test_registry_rules(autojump_clock: trio.testing.MockClock) -> None:
     """404 for a never-seen id, 409 for a conflicting receive_count, siblings share one scope,
-    and bad input forgets the id so a corrected retry can use it."""
+    and bad input leaves only its failure, so a corrected retry can use the id."""
     async with lifecycle_rig() as rig:
         with pytest.raises(UnknownRequest):
             rig.registry.require_live("nope")
@@ -475,8 +476,11 @@ async def test_registry_rules(autojump_clock: trio.testing.MockClock) -> None:
             await rig.registry.open("r1", receive_count=3, encode=encode)
 
         await rig.open_bad_input("bad")
-        with pytest.raises(UnknownRequest):
+        with pytest.raises(InvalidInput):  # a late send learns why; nothing else is left
             rig.registry.require_live("bad")
+        corrected, _ = rig.encoder("bad", seed=17)
+        await rig.open("bad", corrected, receive_count=1)
+        assert rig.registry.require_live("bad").accepting
 
 
 async def test_after_every_scope_ends_nothing_is_held(

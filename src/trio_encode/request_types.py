@@ -7,7 +7,7 @@ them without importing the lifecycle machinery.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Collection, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -135,18 +135,3 @@ class SendReport:
     repeat: bool = False
     """True when this receiver had already been sent to and the request had completed: the
     answer to a retry whose first 200 was lost. No bytes moved this time."""
-
-    @classmethod
-    def again(
-        cls,
-        receiver: Receiver,
-        shape: EmbeddingShape | None,
-        done: Collection[Receiver],
-        receive_count: int | None,
-    ) -> SendReport | None:
-        """The answer for a ``receiver`` already in ``done`` (a live scope's, or an ended
-        one's remembered receivers), marked as a repeat; None when it was not sent to."""
-        if shape is None or receiver not in done:
-            return None
-        assert receive_count is not None  # fixed before the first transfer
-        return cls(shape, len(done), receive_count, repeat=True)

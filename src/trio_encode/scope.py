@@ -24,17 +24,20 @@ from typing import TypeVar
 
 import trio
 
-from trio_encode.ending import Ended, Failure, refusal
 from trio_encode.engine import EngineError, TransferEngine, Write
-from trio_encode.errors import (
-    EncodeFailed,
-    InternalError,
-    InvalidInput,
-    ReceiveCountConflict,
-    RequestError,
-)
+from trio_encode.errors import EncodeFailed, InternalError, InvalidInput, RequestError
+from trio_encode.held import HeldMemory
 from trio_encode.ledger import Lease, PartialOverlap, RegistrationLedger
 from trio_encode.observer import LifecycleObserver
+from trio_encode.request_state import (
+    DEFAULT_RECEIVE_COUNT,
+    Ended,
+    Failure,
+    RequestState,
+    answer,
+    refusal,
+    repeat,
+)
 from trio_encode.request_types import (
     EmbeddingMemory,
     EmbeddingShape,
@@ -47,9 +50,6 @@ from trio_encode.request_types import (
 log = logging.getLogger(__name__)
 
 E = TypeVar("E", bound=Exception)
-
-DEFAULT_RECEIVE_COUNT = 1
-"""The count a send fixes when none is known yet and it names none itself."""
 
 
 @dataclass(eq=False)
@@ -85,6 +85,8 @@ class ScopeParts:
     """Registers the embedding's memory, once however many siblings send it."""
     observer: LifecycleObserver
     """Told of the scope's life: its transfers, engine errors and end."""
+    held: HeldMemory
+    """The embedding memory live scopes hold (``max_held_bytes`` is checked against it)."""
 
 
 class RequestScope:
@@ -100,16 +102,17 @@ class RequestScope:
         encode: Encode,
     ) -> None:
         self._engine, self._ledger, self._observer = parts.engine, parts.ledger, parts.observer
+        self._held = parts.held
         self.req_id = req_id
-        self.receive_count = receive_count
-        """How many distinct receivers end the scope; ``None`` until a call names it."""
         self.deadline = deadline
-        self.shape: EmbeddingShape | None = None
-        self.end_reason: EndReason | None = None
+        self.state = RequestState(req_id, deadline, receive_count)
+        """The request's state: every change of it is a method of its own."""
+        self.tombstone: Ended | None = None
+        """The state frozen once everything is released."""
         self._encode: Encode | None = encode
         """Dropped once the encode ran: it holds the request's image bytes."""
         self._embedding: EmbeddingMemory | None = None
-        self._failure: Failure | None = None
+        self._held_ranges: list[tuple[int, int]] = []
         self._started = trio.Event()
         self._encoded = trio.Event()
         self._finished = trio.Event()
@@ -119,51 +122,47 @@ class RequestScope:
         self._leases: list[Lease] | None = None
         self._register_lock = trio.Lock()
         self._attempts: dict[Receiver, _Attempt] = {}
-        self._done: set[Receiver] = set()
         self._bytes_sent = 0
 
     # -- what handlers call -----------------------------------------------------------------
 
     @property
+    def receive_count(self) -> int | None:
+        """How many distinct receivers end the scope; ``None`` until a call names it."""
+        return self.state.receive_count
+
+    @property
+    def shape(self) -> EmbeddingShape | None:
+        return self.state.shape
+
+    @property
+    def end_reason(self) -> EndReason | None:
+        return self.state.reason
+
+    @property
     def receivers_done(self) -> int:
-        return len(self._done)
+        return len(self.state.done)
 
     @property
     def done_receivers(self) -> frozenset[Receiver]:
         """The receivers whose bytes have landed."""
-        return frozenset(self._done)
+        return frozenset(self.state.done)
 
     @property
     def failure(self) -> Failure | None:
         """Why the request failed (encode or internal error), remembered after it ends."""
-        return self._failure
+        return self.state.failure
 
     @property
     def accepting(self) -> bool:
         """Whether new sends may still join (false from the moment the scope starts ending)."""
-        return (
-            self._nursery is not None
-            and self.end_reason is None
-            and not self._backstop.cancel_called
-        )
+        return self._nursery is not None and self.state.serving and not self._backstop.cancel_called
 
     def check_receive_count(self, receive_count: int | None) -> None:
-        """Siblings must agree on how many receivers there are (409 otherwise).
-
-        A scope opened without a count takes the first one a call names. No receiver can be
-        done before that: a send fixes the count before its transfer starts.
-        """
-        if receive_count is None:
-            return
-        if self.receive_count is None:
-            self.receive_count = receive_count
+        """Siblings must agree on how many receivers there are (409 otherwise)."""
+        if receive_count is not None and self.state.receive_count is None:
             log.info("receive_count set to %d", receive_count, extra={"req_id": self.req_id})
-        elif receive_count != self.receive_count:
-            raise ReceiveCountConflict(
-                f"receive_count {receive_count} conflicts with {self.receive_count} given "
-                "by an earlier call for this req_id",
-                req_id=self.req_id,
-            )
+        self.state.name_count(receive_count)
 
     def cancel(self) -> None:
         """End the scope now (server shutdown); running transfers still finish first."""
@@ -178,10 +177,7 @@ class RequestScope:
 
     def ended(self) -> Ended:
         """How the request ended (or is ending), as its tombstone will keep it."""
-        reason = self.end_reason
-        if reason is None and trio.current_time() >= self.deadline:
-            reason = "expired"
-        return Ended(reason, self._failure, self.shape, frozenset(self._done), self.receive_count)
+        return self.state.ended(now=trio.current_time())
 
     async def wait_encoded(self) -> EmbeddingShape:
         """Wait for the one encoder run; every sibling gets the same answer or error.
@@ -190,11 +186,11 @@ class RequestScope:
         gets the answer its tombstone will give, not the shape of a request it can no longer
         join: a 200 to an ``/encode`` whose sends can only be refused would mislead its rank.
         """
-        if self.end_reason is not None or self._backstop.cancel_called:
+        if not self.state.serving or self._backstop.cancel_called:
             raise self._why_not_served()
         await self._encoded.wait()
-        if self.shape is not None:
-            return self.shape
+        if self.state.shape is not None:
+            return self.state.shape
         raise self._why_not_served()
 
     async def send(self, receiver: Receiver) -> SendReport:
@@ -206,13 +202,13 @@ class RequestScope:
         """
         if not self._started.is_set():  # no scheduler pass when there is nothing to wait for
             await self._started.wait()
-        again = SendReport.again(receiver, self.shape, self._done, self.receive_count)
+        again = repeat(receiver, self.state)
         if again is not None:
             return again
         if not self.accepting:
-            raise self._why_not_served()
+            answer("send", self.req_id, self.ended(), receiver=receiver)  # raises its refusal
         assert self._nursery is not None
-        if self.receive_count is None:
+        if self.state.receive_count is None:
             # A send that names no count, to a scope that knows none, means one receiver.
             self.check_receive_count(DEFAULT_RECEIVE_COUNT)
         attempt = self._attempts.get(receiver)
@@ -236,9 +232,9 @@ class RequestScope:
                 attempt.withdraw.cancel()
         if attempt.error is not None:
             raise attempt.error.fresh()  # each waiter its own: see RequestError.fresh
-        assert self.shape is not None
-        assert self.receive_count is not None
-        return SendReport(self.shape, attempt.receivers_done, self.receive_count)
+        assert self.state.shape is not None
+        assert self.state.receive_count is not None
+        return SendReport(self.state.shape, attempt.receivers_done, self.state.receive_count)
 
     async def wait_ended(self) -> None:
         """Return once the scope has released everything."""
@@ -265,15 +261,16 @@ class RequestScope:
                     await self._finished.wait()
                     # Done: nothing may still be waiting (a sibling's retry past the count).
                     nursery.cancel_scope.cancel()
-            if backstop.cancelled_caught and self.end_reason is None:
-                self.end_reason = "expired"
+            state = self.state
+            if backstop.cancelled_caught and state.reason is None:
+                state.end("expired")
                 self._observer.backstop_expired(self.req_id)
-                if self.receive_count is not None and 0 < len(self._done) < self.receive_count:
-                    self._observer.split_expired(self.req_id, len(self._done), self.receive_count)
+                if state.receive_count is not None and 0 < len(state.done) < state.receive_count:
+                    self._observer.split_expired(self.req_id, len(state.done), state.receive_count)
                 log.warning(
                     "backstop deadline fired with %d of %s receivers done",
-                    len(self._done),
-                    self.receive_count,
+                    len(state.done),
+                    state.receive_count,
                     extra={"req_id": self.req_id},
                 )
         except Exception as exc:
@@ -284,6 +281,7 @@ class RequestScope:
             self._encoded.set()
             with trio.CancelScope(shield=True):
                 await self._release()
+            self.tombstone = self.state.release()
             seconds = trio.current_time() - opened_at
             self._observer.scope_closed(self.req_id, reason, seconds)
             log.info(
@@ -293,7 +291,7 @@ class RequestScope:
                     "req_id": self.req_id,
                     "duration_s": round(seconds, 6),
                     "bytes_sent": self._bytes_sent,
-                    "receivers": f"{len(self._done)}/{self.receive_count}",
+                    "receivers": f"{len(self.state.done)}/{self.state.receive_count}",
                 },
             )
             self._ended.set()
@@ -313,20 +311,20 @@ class RequestScope:
                 tuple(embedding.image_lens),
             )
         except RequestError as exc:
-            self._failure = Failure.of(exc)
             if isinstance(exc, InvalidInput):
-                self._finish("invalid_input")
+                self._finish("invalid_input", Failure.of(exc))
             elif exc.status == 503:
-                self._finish("refused")  # transient: a retry of this req_id may succeed
+                # transient: a retry of this req_id may succeed
+                self._finish("refused", Failure.of(exc))
             else:
-                self._finish("encode_failed")
+                self._finish("encode_failed", Failure.of(exc))
         except Exception as exc:
             log.exception("encoder failed", extra={"req_id": self.req_id})
-            self._failure = Failure(EncodeFailed, f"the encoder failed: {exc}")
-            self._finish("encode_failed")
+            self._finish("encode_failed", Failure(EncodeFailed, f"the encoder failed: {exc}"))
         else:
             self._embedding = embedding
-            self.shape = shape
+            self._held_ranges = self._held.take(embedding)  # given back once released
+            self.state.encoded(shape)
         finally:
             self._encoded.set()
 
@@ -350,9 +348,9 @@ class RequestScope:
             self._observer.transfer_finished(
                 self.req_id, write.nbytes, trio.current_time() - started
             )
-            self._done.add(attempt.receiver)
-            attempt.receivers_done = len(self._done)
-            if self.receive_count is not None and len(self._done) >= self.receive_count:
+            complete = self.state.receiver_done(attempt.receiver)
+            attempt.receivers_done = len(self.state.done)
+            if complete:
                 self._finish("completed")
         except EngineError as exc:
             if exc.call == "transfer":  # the ledger counts its own register failures
@@ -411,17 +409,11 @@ class RequestScope:
         return leases
 
     def _end(self, reason: EndReason, failure: Failure | None = None) -> EndReason:
-        """The first end reason and the first failure win: whatever comes after (a shutdown
-        after a failure, the deadline after completion) never rewrites why a request ended.
-        Returns the reason that stands."""
-        if self._failure is None:
-            self._failure = failure
-        if self.end_reason is None:
-            self.end_reason = reason
-        return self.end_reason
+        """Start ending (the state keeps the first reason); returns the reason that stands."""
+        return self.state.end(reason, failure)
 
-    def _finish(self, reason: EndReason) -> None:
-        self._end(reason)
+    def _finish(self, reason: EndReason, failure: Failure | None = None) -> None:
+        self._end(reason, failure)
         self._finished.set()
 
     def _fail_unexpectedly(self, exc: Exception) -> None:
@@ -444,6 +436,8 @@ class RequestScope:
         it has ended (:meth:`RegistrationLedger.keep_while_read`).
         """
         leases, self._leases = self._leases or [], None
+        self._held.give_back(self._held_ranges)  # counted as held by live scopes until now
+        self._held_ranges = []
         embedding = self._embedding
         if embedding is not None and self._ledger.keep_while_read(leases, embedding.release):
             # A transfer the engine stopped waiting for may still read the embedding: the

@@ -1,31 +1,33 @@
-"""ScopeRegistry: the live request scopes by ``req_id``, and a bounded memory of ended ones.
+"""ScopeRegistry: the live request scopes by ``req_id``, and the one bounded memory of ended
+requests.
 
 The registry owns no nursery; it starts each scope in the service nursery it is given, which
-outlives every HTTP handler. An ended request leaves a tombstone (how it ended, its error's
-class and message, its shape and the receivers that got their bytes), so a late call gets the
-request's answer rather than a fresh scope: 410, the original error, or, for a receiver that
-was already served and lost its answer, the same 200 again. Tombstones never hold an
-exception, a frame or an embedding.
+outlives every HTTP handler. An ended request leaves a tombstone (its state frozen: how it
+ended, its error's class and message, its shape and the receivers that got their bytes), and
+so does a request refused for bad input before any scope opened; a late call gets the answer
+:func:`~trio_encode.request_state.answer` gives from it rather than a fresh scope: 410, the
+original error, or, for a receiver already served that lost its answer, the same 200 again.
+Tombstones never hold an exception, a frame or an embedding.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from collections.abc import Callable
 
 import trio
 
-from trio_encode.ending import Ended, late_call
 from trio_encode.engine import TransferEngine
-from trio_encode.errors import ShuttingDown, UnknownRequest
+from trio_encode.held import HeldMemory
 from trio_encode.ledger import RegistrationLedger
 from trio_encode.observer import LifecycleObserver, NullObserver
 from trio_encode.recent import Recent
-from trio_encode.request_types import Encode, EndReason
+from trio_encode.request_state import Call, Ended, Failure, answer
+from trio_encode.request_types import Encode, Receiver, SendReport
 from trio_encode.scope import RequestScope, ScopeParts
 
-# Ends that leave no tombstone: the same req_id may be tried again at once.
-_FORGOTTEN: frozenset[EndReason] = frozenset({"invalid_input", "refused"})
+OnEnd = Callable[[Ended], None]
+"""Told a request's tombstone once its scope has released everything; must not raise."""
 
 
 class ScopeRegistry:
@@ -45,7 +47,9 @@ class ScopeRegistry:
         if not send_timeout > 0 or math.isinf(send_timeout):
             raise ValueError("send_timeout must be a positive number of seconds")
         self._nursery = nursery
-        self._parts = ScopeParts(engine, ledger, observer or NullObserver())
+        self.held = HeldMemory()
+        """Embedding bytes the live scopes hold, each memory range once."""
+        self._parts = ScopeParts(engine, ledger, observer or NullObserver(), self.held)
         self.send_timeout = send_timeout
         self._scopes: dict[str, RequestScope] = {}
         self._released: Recent[str, Ended] = Recent(remember_released, remember_seconds)
@@ -53,21 +57,23 @@ class ScopeRegistry:
         self.closed = False
         """Set at shutdown: no new scope opens."""
 
-    def refuse_if_closed(self, req_id: str) -> None:
-        """Raise :class:`ShuttingDown` for a call that would need a new scope after shutdown
-        began."""
-        if self.closed:
-            raise ShuttingDown(req_id=req_id)
-
     def __len__(self) -> int:
         return len(self._scopes)
 
     def scopes(self) -> list[RequestScope]:
         return list(self._scopes.values())
 
-    async def open(self, req_id: str, *, receive_count: int | None, encode: Encode) -> RequestScope:
+    async def open(
+        self,
+        req_id: str,
+        *,
+        receive_count: int | None,
+        encode: Encode,
+        on_end: OnEnd | None = None,
+    ) -> RequestScope:
         """The scope for ``req_id``, started on first use; siblings get the same scope.
 
+        ``on_end`` is told the request's tombstone when its scope has released everything.
         The start is shielded: a caller whose client has gone away (a cancellation pending
         from its own wait) must not hand that cancellation to a scope its siblings share.
         """
@@ -75,7 +81,7 @@ class ScopeRegistry:
         if scope is not None:
             scope.check_receive_count(receive_count)
             return scope
-        late_call("encode", req_id, self.ended(req_id), closed=self.closed)
+        self.answer("encode", req_id)
         scope = RequestScope(
             req_id,
             self._parts,
@@ -85,7 +91,7 @@ class ScopeRegistry:
         )
         self._scopes[req_id] = scope
         with trio.CancelScope(shield=True):
-            await self._nursery.start(self._run_scope, scope)
+            await self._nursery.start(self._run_scope, scope, on_end)
         return scope
 
     def live(self, req_id: str) -> RequestScope | None:
@@ -93,31 +99,57 @@ class ScopeRegistry:
         return self._scopes.get(req_id)
 
     def ended(self, req_id: str) -> Ended | None:
-        """How ``req_id`` ended, if it ended lately (its tombstone); None if it is live,
-        never seen, left no tombstone (bad input, a refusal) or ended too long ago."""
+        """How ``req_id`` ended, if it ended lately (its tombstone); None if it is live (and
+        has not ended before), never seen, or ended too long ago."""
         return self._released.get(req_id)
 
-    def require_live(self, req_id: str) -> RequestScope:
-        """The live scope for ``req_id``; raises what a late call gets if it ended, else 404."""
-        scope = self._scopes.get(req_id)
-        if scope is not None:
-            return scope
-        late_call("send", req_id, self.ended(req_id))
-        raise UnknownRequest(
-            "no /encode has named this req_id here (or it ended too long ago to remember)",
-            req_id=req_id,
+    def answer(
+        self,
+        call: Call,
+        req_id: str,
+        *,
+        receiver: Receiver | None = None,
+        family_failure: Failure | None = None,
+    ) -> SendReport | None:
+        """What ``call`` gets for ``req_id`` with no live scope: see
+        :func:`~trio_encode.request_state.answer`, given its tombstone and whether the server
+        is closing."""
+        return answer(
+            call,
+            req_id,
+            self.ended(req_id),
+            receiver=receiver,
+            family_failure=family_failure,
+            closed=self.closed,
         )
 
+    def require_live(self, req_id: str) -> RequestScope:
+        """The live scope for ``req_id``; raises what a late ``/send`` gets otherwise."""
+        scope = self._scopes.get(req_id)
+        if scope is None:
+            self.answer("send", req_id)
+            raise AssertionError("a send with no live scope always gets an answer")
+        return scope
+
+    def refused(self, req_id: str, failure: Failure) -> None:
+        """Remember a request refused before its scope opened (bad input), for its late pulls
+        and sends; a corrected ``/encode`` may still reuse the id."""
+        tombstone = Ended("invalid_input", failure, None, frozenset(), None, gone=True)
+        self._released.remember(req_id, tombstone)
+
     async def _run_scope(
-        self, scope: RequestScope, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+        self,
+        scope: RequestScope,
+        on_end: OnEnd | None,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         try:
             await scope.run(task_status=task_status)
         finally:
             del self._scopes[scope.req_id]
-            assert scope.end_reason is not None
-            if scope.end_reason not in _FORGOTTEN:
-                self._remember(scope)
-
-    def _remember(self, scope: RequestScope) -> None:
-        self._released.remember(scope.req_id, replace(scope.ended(), gone=True))
+            tombstone = scope.tombstone
+            assert tombstone is not None  # run() always releases
+            self._released.remember(scope.req_id, tombstone)
+            if on_end is not None:
+                on_end(tombstone)

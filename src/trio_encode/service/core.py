@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import logging
 import math
-import weakref
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 
 import trio
 
@@ -20,7 +20,6 @@ from trio_encode.completion import (
     FailureNotices,
     Pusher,
 )
-from trio_encode.ending import Call, Failure, late_call
 from trio_encode.engine import EngineError, TransferEngine
 from trio_encode.errors import (
     CompletionFailed,
@@ -33,18 +32,10 @@ from trio_encode.errors import (
 from trio_encode.ledger import Lease, RegistrationLedger
 from trio_encode.observer import LifecycleObserver, NullObserver, TaskFaults
 from trio_encode.receivers import receiver_host, same_host
-from trio_encode.request_types import (
-    EmbeddingMemory,
-    EmbeddingShape,
-    Encode,
-    Receiver,
-    SendReport,
-    grid_dim,
-)
-from trio_encode.scope import RequestScope
+from trio_encode.request_state import Call, Ended, Failure, refusal
+from trio_encode.request_types import EmbeddingShape, Encode, Receiver, SendReport, grid_dim
 from trio_encode.scopes import ScopeRegistry
 from trio_encode.service.encoder_api import Encoder
-from trio_encode.service.held import HeldMemory
 from trio_encode.service.parts import MAX_ENDPOINTS, UNKNOWN_CLIENT, Notify, Part, family_of
 from trio_encode.service.requests import RequestRecord, Requests
 from trio_encode.service.settings import ServiceSettings
@@ -102,12 +93,6 @@ class EncodeService:
         self._grace = trio.CancelScope(deadline=math.inf)
         self._shutdown_done = trio.Event()
         self.arrivals = Arrivals(group=family_of)
-        self._prefill_hosts: weakref.WeakKeyDictionary[RequestScope, str] = (
-            weakref.WeakKeyDictionary()
-        )
-        """``prefill_host`` of each live request whose /encode named one."""
-        self._nursery = nursery
-        self._held = HeldMemory()
         self.faults = TaskFaults(observer)
         """The failures of background tasks, contained (logged and counted by kind)."""
         self.completions: Pusher | None = None
@@ -187,7 +172,7 @@ class EncodeService:
     def held_bytes(self) -> int:
         """Embedding bytes the live scopes hold, each memory range once however many requests
         share it (those still encoding count when encoded)."""
-        return self._held.nbytes
+        return self.registry.held.nbytes
 
     def _admit(self, req_id: str) -> None:
         """Refuse a new request at a capacity limit (503): before any item is loaded."""
@@ -238,21 +223,18 @@ class EncodeService:
             except InvalidInput as exc:
                 # Pulls already waiting for this id learn why now, not at their timeout.
                 self.arrivals.announce(req_id, error=exc)
+                failure = Failure.of(exc)
+                self.registry.refused(req_id, failure)
                 refused = RequestRecord(req_id, part, named)
-                self._failed(refused, Failure.of(exc))
+                self._failed(refused, failure)
                 self.requests.ended(refused)
                 raise
-
-            taken: list[tuple[int, int]] = []
-
-            async def run_encoder() -> EmbeddingMemory:
-                embedding = await self.encoder.encode(images)
-                taken.extend(self._held.take(embedding))  # the scope keeps it from here
-                return embedding
-
             if self.registry.live(req_id) is None:  # no checkpoint until open() creates it
-                opening = RequestRecord(req_id, part, named)
-                return await self._open(opening, receive_count, prefill_host, run_encoder, taken)
+                if not self.settings.receivers_match_prefill_host:
+                    prefill_host = None
+                opening = RequestRecord(req_id, part, named, prefill_host=prefill_host)
+                encode = partial(self.encoder.encode, images)
+                return await self._open(opening, receive_count, encode)
             scope = self.registry.require_live(req_id)  # a sibling opened it meanwhile
         record = self.requests.live(req_id)
         if record is not None:
@@ -264,29 +246,23 @@ class EncodeService:
         return EncodeReport(shape, scope.receive_count)
 
     async def _open(
-        self,
-        record: RequestRecord,
-        receive_count: int | None,
-        prefill_host: str | None,
-        run_encoder: Encode,
-        taken: list[tuple[int, int]],
+        self, record: RequestRecord, receive_count: int | None, encode: Encode
     ) -> EncodeReport:
-        """Open the request's scope, whose encode is ``run_encoder``, and what the service
-        keeps beside it: its record (in place before the scope, so that siblings joining at
-        once bind their endpoints to it) and one watcher."""
+        """Open the request's scope and what the service keeps beside it: its record, in
+        place before the scope so that siblings joining at once bind their endpoints to it,
+        and forgotten as live when the scope has ended (:meth:`_ended`)."""
         req_id = record.req_id
         self.requests.track(record)
         try:
             scope = await self.registry.open(
-                req_id, receive_count=receive_count, encode=run_encoder
+                req_id,
+                receive_count=receive_count,
+                encode=encode,
+                on_end=partial(self._ended, record),
             )
         except BaseException:
             self.requests.untrack(record)
             raise
-        self._nursery.start_soon(self.faults.contain, "watcher", self._watch, scope, record, taken)
-        if prefill_host is not None and self.settings.receivers_match_prefill_host:
-            self._prefill_hosts[scope] = prefill_host
-        self.requests.retried(req_id)
         self.arrivals.announce(req_id)
         shape = await scope.wait_encoded()
         return EncodeReport(shape, scope.receive_count)
@@ -310,25 +286,21 @@ class EncodeService:
     def _pull_timeout(self) -> float:
         return self.settings.pull_timeout
 
-    async def _watch(
-        self, scope: RequestScope, record: RequestRecord, taken: list[tuple[int, int]]
-    ) -> None:
-        """Beside each scope: when its encode fails, tell its prefill ranks and end its
-        sibling parts here; when it has ended, give back what its embedding took from
-        :attr:`held_bytes` and forget it (keeping its endpoints for late sends a while)."""
+    def _ended(self, record: RequestRecord, ended: Ended) -> None:
+        """The request's scope has released everything. If it never served its embedding
+        (its encode failed, it expired or was ended first), tell its prefill ranks and end its
+        sibling parts here; then forget it as live, keeping its endpoints a while for late
+        sends. Runs in the registry's task for the scope: a bug here is logged and counted,
+        never raised into the service nursery."""
         try:
-            await self.faults.contain("failure", self._follow, scope, record)
-            await scope.wait_ended()
+            if ended.shape is None:
+                ending = replace(ended, gone=False)  # why it ended, not that it is released
+                self._failed(record, ended.failure or Failure.of(refusal(record.req_id, ending)))
+        except Exception as exc:
+            self.faults.record("failure", exc)
         finally:
-            self._held.give_back(taken)
             self.requests.untrack(record)
             self.requests.ended(record)
-
-    async def _follow(self, scope: RequestScope, record: RequestRecord) -> None:
-        try:
-            await scope.wait_encoded()
-        except RequestError as exc:
-            self._failed(record, scope.failure or Failure.of(exc))
 
     def _failed(self, record: RequestRecord, failure: Failure) -> None:
         """The request failed: remember why for its late pulls, tell the ranks bound to it,
@@ -338,7 +310,6 @@ class EncodeService:
         family, found through their indexes): the work is theirs, never the number of parts
         a client claims. A family already failed has had its siblings ended once."""
         req_id, part = record.req_id, record.part
-        self.requests.failed(req_id, failure)
         self._tell(record, failure)
         family = Part.family(req_id, part)
         if family is None or self.requests.family_failure(req_id, part) is not None:
@@ -364,16 +335,14 @@ class EncodeService:
         part: Part | None = None,
         receiver: Receiver | None = None,
     ) -> SendReport | None:
-        """What ``call`` gets for ``req_id`` with no live scope (:func:`late_call` decides):
-        raises its error, returns a served receiver's answer again, or None to go on."""
-        return late_call(
+        """What ``call`` gets for ``req_id`` with no live scope
+        (:func:`~trio_encode.request_state.answer` decides): raises its error, returns a
+        served receiver's answer again, or None to go on."""
+        return self.registry.answer(
             call,
             req_id,
-            self.registry.ended(req_id),
-            failure=self.requests.failure(req_id),
-            family_failure=self.requests.family_failure(req_id, part),
             receiver=receiver,
-            closed=self.registry.closed and call != "send",
+            family_failure=self.requests.family_failure(req_id, part),
         )
 
     def _tell(
@@ -470,10 +439,10 @@ class EncodeService:
             scope = self.registry.live(req_id)
             if scope is None:
                 repeat = self._late("send", req_id, receiver=receiver)
-                if repeat is not None:
-                    return repeat
-                scope = self.registry.require_live(req_id)
-            self._check_prefill_host(scope, receiver)
+                assert repeat is not None  # a send with no live scope gets an answer or raises
+                return repeat
+            if record is not None:
+                self._check_prefill_host(record, receiver)
             scope.check_receive_count(receive_count)
             if notify is not None and record is not None:
                 self._bind(record, notify.endpoint, client)
@@ -534,13 +503,16 @@ class EncodeService:
             log.error("%s", exc.message, extra={"req_id": req_id})
             raise
 
-    def _check_prefill_host(self, scope: RequestScope, receiver: Receiver) -> None:
-        prefill_host = self._prefill_hosts.get(scope)
+    @staticmethod
+    def _check_prefill_host(record: RequestRecord, receiver: Receiver) -> None:
+        prefill_host = record.prefill_host
+        if prefill_host is None:
+            return
         host = receiver_host(receiver.session_id)
-        if prefill_host is not None and not same_host(host, prefill_host):
+        if not same_host(host, prefill_host):
             raise ReceiverHostMismatch(
                 f"receiver host {host!r} is not this request's prefill_host {prefill_host!r}",
-                req_id=scope.req_id,
+                req_id=record.req_id,
             )
 
     def end_grace(self) -> None:

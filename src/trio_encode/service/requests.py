@@ -1,7 +1,8 @@
 """What the service keeps beside each request's scope, live and for a while after it ended:
-its part, the prefill endpoints bound to it, its failure; indexed by req_id and by the family
-of parts it belongs to. One table, so what a late call or a failed sibling needs is found in
-one place."""
+its part, the prefill endpoints bound to it, the host its receivers must be on; indexed by
+req_id and by the family of parts it belongs to; and the failures of part families. One table,
+so what a failed sibling or a late send's error push needs is found in one place. (How a
+request itself ended is its tombstone's, in the scope registry.)"""
 
 from __future__ import annotations
 
@@ -9,12 +10,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from trio_encode.completion import Endpoint
-from trio_encode.ending import Failure
 from trio_encode.recent import Recent
+from trio_encode.request_state import Failure
 from trio_encode.service.parts import PART_ID, Part, family_of, part_of
 
 REMEMBER_FAILURES = 10_000
-"""Failed requests remembered for their late pulls, at most; as many families of parts."""
+"""Failed families of parts remembered for their other parts, at most."""
 REMEMBER_ENDED = 1024
 """Ended requests whose bound endpoints are remembered (for ``pull_timeout``), so that a late
 ``/send``'s error still reaches its rank; at most ``REMEMBER_ENDED * MAX_ENDPOINTS``
@@ -35,12 +36,15 @@ class RequestRecord:
     """Bound endpoints already sent (or being sent) the request's failure."""
     full: bool = False
     """A /send's endpoint found no room (logged once)."""
+    prefill_host: str | None = None
+    """The host every receiver of the request must be on (when its /encode named one and
+    ``receivers_match_prefill_host`` is on)."""
 
 
 class Requests:
     """The records of live requests (by req_id and by family), of ended ones that bound
-    endpoints, and the failures of requests and of part families; every memory of ended ones
-    bounded by count and by ``window`` seconds (the pull timeout)."""
+    endpoints, and the failures of part families; every memory of ended ones bounded by count
+    and by ``window`` seconds (the pull timeout)."""
 
     def __init__(self, window: Callable[[], float]) -> None:
         self._live: dict[str, RequestRecord] = {}
@@ -48,10 +52,6 @@ class Requests:
         """Live records whose id names a part, by the id of the request they are parts of."""
         self._ended: Recent[str, RequestRecord] = Recent(REMEMBER_ENDED, window)
         """Recently ended requests (and refused ones that named endpoints)."""
-        self._failures: Recent[str, Failure] = Recent(REMEMBER_FAILURES, window)
-        """Recent failures by req_id. A pull arriving after its request failed gets the
-        failure at once, also where the scope left no tombstone (bad input, after which a
-        corrected /encode may reuse the id and clears the entry)."""
         self._family_failures: Recent[str, Failure] = Recent(REMEMBER_FAILURES, window)
         """Recent failures of part families: what each sibling part of a failed part gets."""
 
@@ -63,8 +63,7 @@ class Requests:
         return self._live.get(req_id) or self._ended.get(req_id)
 
     def track(self, record: RequestRecord) -> None:
-        """``record`` is its request's live one from now (a stale one, whose scope has just
-        ended and whose watcher has not run yet, is replaced)."""
+        """``record`` is its request's live one from now."""
         self._live[record.req_id] = record
         family = family_of(record.req_id)
         if family is not None:
@@ -87,17 +86,6 @@ class Requests:
         """Keep an ended request's endpoints for its late sends' errors (bounded)."""
         if record.endpoints:
             self._ended.remember(record.req_id, record)
-
-    def failed(self, req_id: str, failure: Failure) -> None:
-        self._failures.remember(req_id, failure)
-
-    def retried(self, req_id: str) -> None:
-        """A corrected retry of a bad request opened a scope: its old failure no longer
-        answers."""
-        self._failures.forget(req_id)
-
-    def failure(self, req_id: str) -> Failure | None:
-        return self._failures.get(req_id)
 
     def family_failed(self, family: str, failure: Failure) -> None:
         self._family_failures.remember(family, failure)
