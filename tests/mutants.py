@@ -402,7 +402,7 @@ MUTANTS: dict[str, Mutant] = {
         ),
     ),
     "a failure pushed to an endpoint its request never bound (hostile)": Mutant(
-        "service/core.py",
+        "service/messages.py",
         "        elif only in record.endpoints and only not in record.told:",
         "        elif only not in record.told:",
         (
@@ -410,9 +410,9 @@ MUTANTS: dict[str, Mutant] = {
         ),
     ),
     "endpoints uncapped across joins (hostile)": Mutant(
-        "service/core.py",
-        "        if len(named) <= MAX_ENDPOINTS - len(bound):\n            return",
-        "        if True:\n            return",
+        "service/requests.py",
+        "    if len(named) <= MAX_ENDPOINTS - len(bound):\n        return",
+        "    if True:\n        return",
         ("tests/test_service_completion.py::test_joins_cannot_bind_more_endpoints_than_the_cap",),
     ),
     # What a hostile or careless client sends: each containment and bound.
@@ -598,8 +598,8 @@ MUTANTS: dict[str, Mutant] = {
     ),
     "a fast route skips the token (hot path)": Mutant(
         "server/app.py",
-        "        if self.expected is not None and path in _PROTECTED:",
-        "        if False:",
+        "        if self.expected is None or path not in _PROTECTED:",
+        "        if True:",
         (
             "tests/test_server_fast_routes.py::test_the_fast_routes_answer_log_and_count_exactly_as_quart_does",
         ),

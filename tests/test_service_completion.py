@@ -405,7 +405,8 @@ async def test_a_repeat_send_answers_repeat_and_pushes_no_second_message(
     completes: each repeat is a 200 ``repeat: true`` and its rank gets one message in all."""
     sock, endpoint = rank_socket
     async with world(latency=0.0) as w:
-        pusher = w.service.completions
+        assert w.service.messages is not None
+        pusher = w.service.messages.completions
         assert isinstance(pusher, CompletionPusher)
         await w.service.encode("r1", ["img:a"], receive_count=2)
         rank0, rank1 = w.ranks[0].receiver, w.ranks[1].receiver
@@ -428,7 +429,8 @@ async def test_a_send_whose_rank_is_gone_is_a_502_naming_it_with_the_bytes_lande
 ) -> None:
     gone = Endpoint(HOST, dead_port())
     async with world(completion_timeout=5.0) as w:
-        pusher = w.service.completions
+        assert w.service.messages is not None
+        pusher = w.service.messages.completions
         assert isinstance(pusher, CompletionPusher)
         await w.service.encode("r1", ["img:a"], receive_count=1)
         with pytest.raises(CompletionFailed, match=f"{gone.address} within 5 s") as failed:
@@ -452,7 +454,8 @@ async def test_a_ranks_done_push_succeeds_while_300_closed_ports_wait_for_failur
     closed = sorted({dead_port() for _ in range(320)})[:300]
     assert len(closed) == 300
     async with world(latency=0.0, completion_timeout=2.0) as w:
-        pusher = w.service.completions
+        assert w.service.messages is not None
+        pusher = w.service.messages.completions
         assert isinstance(pusher, CompletionPusher)
         for client in range(20):
             named = tuple(Endpoint(HOST, p) for p in closed[client * 15 : (client + 1) * 15])
@@ -474,6 +477,6 @@ async def test_a_ranks_done_push_succeeds_while_300_closed_ports_wait_for_failur
         assert loaded(message).req_id == "live"
         # Meanwhile the failures still wait, holding no more than their share.
         assert pusher.error_pushes == MAX_SOCKETS // 4
-        notices = w.service.notices
-        assert notices is not None
+        assert w.service.messages is not None
+        notices = w.service.messages.notices
         assert notices.pending > 200

@@ -6,10 +6,13 @@ internals or a transfer. The service nursery is opened by :func:`EncodeService.r
 the whole server's life, so request scopes outlive the handlers that create them and end only
 by their own rules, or at shutdown.
 
-Its modules, one concern each: ``core`` (the service: admission, encode, pull, send, what a
-failure ends and tells, shutdown), ``requests`` (what is kept beside each request),
-``parts`` (SGLang's parts and completion endpoints), ``held`` (the held-memory count),
-``encoder_api`` (the encoder as the service sees it) and ``settings``.
+Its modules, one concern each: ``core`` (the service: encode, pull, send, what a failure
+ends, arena registration, shutdown), ``admission`` (capacity limits before a request costs
+anything), ``requests`` (what is kept beside each request: its part, bound endpoints, prefill
+host), ``messages`` (what a request tells its prefill ranks), ``parts`` (SGLang's parts and
+completion endpoints), ``encoder_api`` (the encoder as the service sees it) and ``settings``.
+How a request itself is and ended lives below, in its scope's state
+(:mod:`trio_encode.request_state`).
 """
 
 from trio_encode.service.core import EncodeReport, EncodeService, ShutdownReport

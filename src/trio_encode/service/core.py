@@ -14,18 +14,13 @@ import trio
 
 from trio_encode.arrivals import Arrivals
 from trio_encode.completion import (
-    CompletionMessage,
-    CompletionPusher,
     Endpoint,
-    FailureNotices,
     Pusher,
 )
 from trio_encode.engine import EngineError, TransferEngine
 from trio_encode.errors import (
-    CompletionFailed,
     EncodeNotArrived,
     InvalidInput,
-    Overloaded,
     ReceiverHostMismatch,
     RequestError,
 )
@@ -33,11 +28,13 @@ from trio_encode.ledger import Lease, RegistrationLedger
 from trio_encode.observer import LifecycleObserver, NullObserver, TaskFaults
 from trio_encode.receivers import receiver_host, same_host
 from trio_encode.request_state import Call, Ended, Failure, refusal
-from trio_encode.request_types import EmbeddingShape, Encode, Receiver, SendReport, grid_dim
+from trio_encode.request_types import EmbeddingShape, Encode, Receiver, SendReport
 from trio_encode.scopes import ScopeRegistry
+from trio_encode.service.admission import admit
 from trio_encode.service.encoder_api import Encoder
-from trio_encode.service.parts import MAX_ENDPOINTS, UNKNOWN_CLIENT, Notify, Part, family_of
-from trio_encode.service.requests import RequestRecord, Requests
+from trio_encode.service.messages import RankMessages
+from trio_encode.service.parts import UNKNOWN_CLIENT, Notify, Part, family_of
+from trio_encode.service.requests import RequestRecord, Requests, check_room
 from trio_encode.service.settings import ServiceSettings
 
 log = logging.getLogger(__name__)
@@ -95,17 +92,17 @@ class EncodeService:
         self.arrivals = Arrivals(group=family_of)
         self.faults = TaskFaults(observer)
         """The failures of background tasks, contained (logged and counted by kind)."""
-        self.completions: Pusher | None = None
-        """Pushes SGLang's completion messages; None when they are turned off."""
-        self.notices: FailureNotices | None = None
-        """Pushes failures to the ranks bound to a request, bounded per client."""
+        self.messages: RankMessages | None = None
+        """What requests tell their prefill ranks; None when completion messages are off."""
         if settings.completion_messages:
-            self.completions = pusher or CompletionPusher(
-                timeout=settings.completion_timeout, observer=observer
+            self.messages = RankMessages(
+                timeout=settings.completion_timeout,
+                observer=observer,
+                faults=self.faults,
+                pusher=pusher,
             )
-            self.notices = FailureNotices(self.completions, self.faults, observer=observer)
         self.requests = Requests(self._pull_timeout)
-        """What is kept beside each request: its part, bound endpoints and failure."""
+        """What is kept beside each request: its part, bound endpoints, prefill host."""
 
     @classmethod
     @asynccontextmanager
@@ -131,10 +128,8 @@ class EncodeService:
                 pusher=pusher,
             )
             await nursery.start(service.ledger.run)
-            if service.completions is not None:
-                await nursery.start(service.completions.run)
-            if service.notices is not None:
-                await nursery.start(service.notices.run)
+            if service.messages is not None:
+                await service.messages.start(nursery)
             arena_lease = await service._register_arena()
             try:
                 await nursery.start(encoder.run)
@@ -174,22 +169,6 @@ class EncodeService:
         share it (those still encoding count when encoded)."""
         return self.registry.held.nbytes
 
-    def _admit(self, req_id: str) -> None:
-        """Refuse a new request at a capacity limit (503): before any item is loaded."""
-        limits = self.settings
-        if len(self.registry) >= limits.max_live_scopes:
-            raise Overloaded(
-                f"{len(self.registry)} requests are alive, the most this server holds "
-                "(max_live_scopes); retry when some have been sent",
-                req_id=req_id,
-            )
-        if self.held_bytes >= limits.max_held_bytes:
-            raise Overloaded(
-                f"live requests hold {self.held_bytes} embedding bytes, the most this server "
-                "holds (max_held_bytes); retry when some have been sent",
-                req_id=req_id,
-            )
-
     async def encode(
         self,
         req_id: str,
@@ -210,11 +189,11 @@ class EncodeService:
         """
         part = part or Part()
         named = dict.fromkeys(part.endpoints, client or UNKNOWN_CLIENT)
-        self._check_room(req_id, {}, named)
+        check_room(req_id, {}, named)
         scope = self.registry.live(req_id)
         if scope is None:
             self._late("encode", req_id, part=part)
-            self._admit(req_id)
+            admit(req_id, self.registry, self.settings)
             # Check the input before a scope exists: bad input must leave nothing behind.
             try:
                 images = await self.encoder.load_items(mm_items)
@@ -238,7 +217,7 @@ class EncodeService:
             scope = self.registry.require_live(req_id)  # a sibling opened it meanwhile
         record = self.requests.live(req_id)
         if record is not None:
-            self._check_room(req_id, record.endpoints, named)
+            check_room(req_id, record.endpoints, named)
         scope.check_receive_count(receive_count)
         if record is not None:
             record.endpoints.update((e, c) for e, c in named.items() if e not in record.endpoints)
@@ -267,21 +246,18 @@ class EncodeService:
         shape = await scope.wait_encoded()
         return EncodeReport(shape, scope.receive_count)
 
-    def _check_room(
-        self, req_id: str, bound: dict[Endpoint, str], named: dict[Endpoint, str]
+    def _tell(
+        self,
+        record: RequestRecord,
+        failure: Failure,
+        *,
+        only: Endpoint | None = None,
+        client: str | None = None,
     ) -> None:
-        """Refuse (400) a call that would bind more than ``MAX_ENDPOINTS`` endpoints to
-        its request: before anything is looked up or changed."""
-        if len(named) <= MAX_ENDPOINTS - len(bound):
-            return
-        total = len(bound) + sum(1 for endpoint in named if endpoint not in bound)
-        if total > MAX_ENDPOINTS:
-            raise InvalidInput(
-                f"this call would give the request {total} prefill endpoints (prefill_host "
-                f"with each embedding_port, over all its calls); at most {MAX_ENDPOINTS} are "
-                "accepted",
-                req_id=req_id,
-            )
+        """Tell the ranks bound to the request of its failure (:meth:`RankMessages.tell`);
+        nothing once the server is shutting down."""
+        if self.messages is not None and not self.registry.closed:
+            self.messages.tell(record, failure, only=only, client=client)
 
     def _pull_timeout(self) -> float:
         return self.settings.pull_timeout
@@ -344,42 +320,6 @@ class EncodeService:
             receiver=receiver,
             family_failure=self.requests.family_failure(req_id, part),
         )
-
-    def _tell(
-        self,
-        record: RequestRecord,
-        failure: Failure,
-        *,
-        only: Endpoint | None = None,
-        client: str | None = None,
-    ) -> None:
-        """Push the request's failure, in the background, to the endpoints bound to it that
-        were not told yet (``only``: to that one, if it is bound), charged to ``client`` (by
-        default each endpoint's own). An endpoint a request never bound is never told."""
-        if self.notices is None or self.registry.closed:
-            return
-        if only is None:
-            targets = {e: c for e, c in record.endpoints.items() if e not in record.told}
-        elif only in record.endpoints and only not in record.told:
-            targets = {only: client or record.endpoints[only]}
-        else:
-            return
-        if not targets:
-            return
-        record.told.update(targets)
-        part = record.part
-        try:
-            message = CompletionMessage.failed(
-                record.req_id,
-                part.num_parts,
-                part.part_idx,
-                failure.message,
-                failure.error_type.status,
-            ).to_bytes()
-        except ValueError as exc:  # a part no message can carry: a bug upstream
-            self.faults.record("failure_message", exc)
-            return
-        self.notices.notify(record.req_id, message, targets)
 
     async def pull(self, req_id: str, *, receive_count: int | None = None) -> EncodeReport:
         """Wait for ``req_id``'s encode to publish its shape, without starting one.
@@ -445,63 +385,16 @@ class EncodeService:
                 self._check_prefill_host(record, receiver)
             scope.check_receive_count(receive_count)
             if notify is not None and record is not None:
-                self._bind(record, notify.endpoint, client)
+                record.bind(notify.endpoint, client)
             report = await scope.send(receiver)
         except RequestError as exc:
             known = record or self.requests.record(req_id)
             if notify is not None and known is not None:
                 self._tell(known, Failure.of(exc), only=notify.endpoint, client=client)
             raise
-        if notify is not None and self.completions is not None and not report.repeat:
-            await self._push_done(req_id, record, notify, report)
+        if notify is not None and self.messages is not None and not report.repeat:
+            await self.messages.done(req_id, record, notify, report)
         return report
-
-    def _bind(self, record: RequestRecord, endpoint: Endpoint, client: str) -> None:
-        """Bind a send's endpoint to its request (so its failure may be told there), unless
-        the request has ``MAX_ENDPOINTS`` already: then one log line, and the send goes
-        on (its own completion message does not need the binding)."""
-        if endpoint in record.endpoints:
-            return
-        if len(record.endpoints) < MAX_ENDPOINTS:
-            record.endpoints[endpoint] = client
-        elif not record.full:
-            record.full = True
-            log.warning(
-                "request has %d prefill endpoints bound, the most; /send endpoints beyond "
-                "them are not told of its failure",
-                MAX_ENDPOINTS,
-                extra={"req_id": record.req_id},
-            )
-
-    async def _push_done(
-        self, req_id: str, record: RequestRecord | None, notify: Notify, report: SendReport
-    ) -> None:
-        """Deliver the rank's completion message (its bytes landed), or raise
-        :class:`CompletionFailed` naming the endpoint."""
-        assert self.completions is not None
-        part = record.part if record is not None else Part(notify.part_idx + 1, notify.part_idx)
-        shape = report.shape
-        try:
-            message = CompletionMessage(
-                req_id,
-                part.num_parts,
-                part.part_idx,
-                grid_dim=grid_dim(shape.grids),
-                shape=(shape.rows, shape.dim),
-                dtype=shape.dtype,
-            ).to_bytes()
-        except ValueError as exc:
-            raise CompletionFailed(
-                f"no completion message for {notify.endpoint.address} can carry this "
-                f"request: {exc}",
-                req_id=req_id,
-            ) from None
-        try:
-            await self.completions.push(notify.endpoint, message, kind="done")
-        except CompletionFailed as exc:
-            exc.req_id = req_id
-            log.error("%s", exc.message, extra={"req_id": req_id})
-            raise
 
     @staticmethod
     def _check_prefill_host(record: RequestRecord, receiver: Receiver) -> None:

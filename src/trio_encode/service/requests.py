@@ -6,13 +6,17 @@ request itself ended is its tombstone's, in the scope registry.)"""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from trio_encode.completion import Endpoint
+from trio_encode.errors import InvalidInput
 from trio_encode.recent import Recent
 from trio_encode.request_state import Failure
-from trio_encode.service.parts import PART_ID, Part, family_of, part_of
+from trio_encode.service.parts import MAX_ENDPOINTS, PART_ID, Part, family_of, part_of
+
+log = logging.getLogger(__name__)
 
 REMEMBER_FAILURES = 10_000
 """Failed families of parts remembered for their other parts, at most."""
@@ -39,6 +43,38 @@ class RequestRecord:
     prefill_host: str | None = None
     """The host every receiver of the request must be on (when its /encode named one and
     ``receivers_match_prefill_host`` is on)."""
+
+    def bind(self, endpoint: Endpoint, client: str) -> None:
+        """Bind a send's endpoint (so the request's failure may be told there), unless
+        ``MAX_ENDPOINTS`` are bound already: then one log line, and the send goes on (its own
+        completion message does not need the binding)."""
+        if endpoint in self.endpoints:
+            return
+        if len(self.endpoints) < MAX_ENDPOINTS:
+            self.endpoints[endpoint] = client
+        elif not self.full:
+            self.full = True
+            log.warning(
+                "request has %d prefill endpoints bound, the most; /send endpoints beyond "
+                "them are not told of its failure",
+                MAX_ENDPOINTS,
+                extra={"req_id": self.req_id},
+            )
+
+
+def check_room(req_id: str, bound: dict[Endpoint, str], named: dict[Endpoint, str]) -> None:
+    """Refuse (400) a call that would bind more than ``MAX_ENDPOINTS`` endpoints to its
+    request: before anything is looked up or changed."""
+    if len(named) <= MAX_ENDPOINTS - len(bound):
+        return
+    total = len(bound) + sum(1 for endpoint in named if endpoint not in bound)
+    if total > MAX_ENDPOINTS:
+        raise InvalidInput(
+            f"this call would give the request {total} prefill endpoints (prefill_host "
+            f"with each embedding_port, over all its calls); at most {MAX_ENDPOINTS} are "
+            "accepted",
+            req_id=req_id,
+        )
 
 
 class Requests:
