@@ -604,6 +604,32 @@ MUTANTS: dict[str, Mutant] = {
             "tests/test_server_fast_routes.py::test_the_fast_routes_answer_log_and_count_exactly_as_quart_does",
         ),
     ),
+    "a declared control body past its limit is read (hostile)": Mutant(
+        "server/app.py",
+        "        if declared and limit is not None and declared > limit:\n"
+        "            scope[_CUT] = True\n        elif declared:",
+        "        if declared:",
+        (
+            "tests/test_server_fast_routes.py::"
+            "test_a_control_body_declared_past_its_limit_is_cut_before_a_byte_is_read",
+            "tests/test_server_fast_routes.py::test_the_fast_routes_answer_log_and_count_exactly_as_quart_does",
+        ),
+    ),
+    "Quart reads a control body already cut (hostile)": Mutant(
+        "server/app.py",
+        "        if not request.scope.get(_CUT):  # a body cut before a byte was read has none to "
+        "read\n            data =",
+        "        if True:\n            data =",
+        (
+            "tests/test_server_fast_routes.py::test_the_fast_routes_answer_log_and_count_exactly_as_quart_does",
+        ),
+    ),
+    "a tool's help section comes after the product's": Mutant(
+        "declare.py",
+        "    return own + [name for name in GROUPS if name in unique]",
+        "    return [name for name in GROUPS if name in unique] + own",
+        ("tests/test_cli.py::test_a_tool_s_own_help_section_comes_before_the_product_s",),
+    ),
     "a fast route logs and counts nothing (hot path)": Mutant(
         "server/app.py",
         "        self.record(",

@@ -20,6 +20,7 @@ from pydantic import ValidationError
 
 from support.cli_process import read_until_serving, run_demo, serving, wait_ready
 from trio_encode.cli import cli
+from trio_encode.declare import GROUPS, sections
 from trio_encode.encoder import EncoderSettings
 from trio_encode.server.serve import startup_facts
 from trio_encode.settings import ServerSettings, child_environment, serve_flags
@@ -98,6 +99,7 @@ _IMPORTS_AFTER = """
 import json, sys
 from click.testing import CliRunner
 from trio_encode.cli import cli
+from trio_encode.declare import GROUPS, sections
 heavy = ("torch", "transformers", "PIL", "numpy", "httpx", "quart", "hypercorn", "mooncake")
 seen = {}
 for args in (["--version"], ["--help"], ["serve", "--help"], ["bench", "--help"],
@@ -134,6 +136,27 @@ def test_help_version_and_a_mistyped_flag_import_no_torch() -> None:
         ("serve --port x", 2),
     ]:
         assert seen[args] == [code, "pydantic", "trio"], args
+
+
+def _sections(command: str) -> list[str]:
+    result = CliRunner().invoke(cli, [command, "--help"], terminal_width=100)
+    assert result.exit_code == 0, result.output
+    return re.findall(r"^([A-Z][a-z]+):$", result.output, flags=re.MULTILINE)
+
+
+def test_a_tool_s_own_help_section_comes_before_the_product_s() -> None:
+    """A tool names its own section where its settings are declared (the product's
+    ``GROUPS`` knows none of them); ``--help`` shows it right after the plain options."""
+    assert "soak" not in GROUPS
+    assert _sections("soak") == ["Options", "Soak", "Server", "Model"]
+    assert _sections("bench") == ["Options", "Bench", *(g.capitalize() for g in GROUPS[:-1])]
+    assert _sections("serve") == ["Options", *(g.capitalize() for g in GROUPS)]
+    assert sections(["cache", "extra", "server", "own", "extra"]) == [
+        "extra",
+        "own",
+        "server",
+        "cache",
+    ]
 
 
 def test_the_command_list_names_every_command() -> None:

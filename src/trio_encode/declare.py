@@ -10,42 +10,43 @@ from that field, so adding a setting is adding a field and its docstring.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Literal, Protocol, get_args
+from typing import TYPE_CHECKING, Any, Protocol
 
-from pydantic import ConfigDict, Field
+if TYPE_CHECKING:
+    from pydantic import ConfigDict
 
-Group = Literal[
-    "demo",
-    "bench",
-    "fleet",
-    "soak",
-    "receive",
-    "server",
-    "engine",
-    "model",
-    "batching",
-    "cache",
-    "logging",
-]
-"""The sections of ``--help``, in the order they are shown (a command's own first)."""
-GROUPS: tuple[Group, ...] = get_args(Group)
+GROUPS = ("server", "engine", "model", "batching", "cache", "logging")
+"""The ``--help`` sections of the product's settings, in the order they are shown. A tool
+names its own section where its settings are declared (``in_group("soak")``): the product
+knows none of them, and :func:`sections` shows a command's own before these."""
 
-SETTINGS = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+SETTINGS: ConfigDict = {"extra": "forbid", "use_attribute_docstrings": True}
 """The config of every settings model: unknown keys are refused, and each field's docstring is
 its help."""
+
+
+def sections(names: Iterable[str]) -> list[str]:
+    """``names`` (sections one command shows) in the order its ``--help`` lists them: the
+    command's own first, as they come, then the product's in the order of :data:`GROUPS`."""
+    unique = list(dict.fromkeys(names))
+    own = [name for name in unique if name not in GROUPS]
+    return own + [name for name in GROUPS if name in unique]
 
 
 def setting(
     default: Any = None,
     *,
-    group: Group,
+    group: str,
     flags: tuple[str, ...] = (),
     **constraints: Any,
 ) -> Any:
     """A field listed in ``--help`` under ``group``; ``constraints`` are pydantic's (``gt``,
     ``ge``, ``le``, ``repr``, ``default_factory``...). ``flags`` are extra option names the
     setting is also known by (``--api-key`` for the token)."""
+    from pydantic import Field
+
     extra: dict[str, Any] = {"group": group}
     if flags:
         extra["flags"] = list(flags)
@@ -62,7 +63,7 @@ class GroupSetting(Protocol):
     ) -> Any: ...
 
 
-def in_group(group: Group) -> GroupSetting:
+def in_group(group: str) -> GroupSetting:
     """:func:`setting` for the fields of one ``--help`` section, so a settings model names its
     section once (``server_setting = in_group("server")``), not on every field."""
 

@@ -21,18 +21,19 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 from click.core import ParameterSource
 
+from trio_encode.declare import GROUPS, sections
+
 if TYPE_CHECKING:
     from pydantic import ValidationError
     from pydantic.fields import FieldInfo
 
-    from trio_encode.declare import Group
     from trio_encode.settings import ServerSettings, Setting
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-SERVE_GROUPS: tuple[Group, ...] = ("server", "engine", "model", "batching", "cache", "logging")
+SERVE_GROUPS: tuple[str, ...] = GROUPS
 """Every group of the server's settings: what `serve` accepts."""
-MODEL_GROUPS: tuple[Group, ...] = ("engine", "model", "batching", "cache")
+MODEL_GROUPS: tuple[str, ...] = ("engine", "model", "batching", "cache")
 """The groups a command that loads the model but serves no clients of its own accepts."""
 
 
@@ -58,7 +59,7 @@ class SettingOption(click.Option):
             metavar=None if is_bool(info) else metavar(info),
             help=help_text,
         )
-        self.group: Group = entry.group
+        self.group: str = entry.group
 
 
 class Later:
@@ -91,19 +92,20 @@ class GroupedCommand(click.Command):
         self._params = [*params]  # with the Later entries the option decorators put in it
 
     def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
-        from trio_encode.declare import GROUPS
-
-        sections: dict[str, list[tuple[str, str]]] = {}
+        options: list[tuple[str, str]] = []
+        grouped: dict[str, list[tuple[str, str]]] = {}
         for param in self.get_params(ctx):
             record = param.get_help_record(ctx)
             if record is None:
                 continue
-            title: str = param.group if isinstance(param, SettingOption) else "options"
-            sections.setdefault(title, []).append(record)
-        for title in ("options", *GROUPS):
-            if title in sections:
+            if isinstance(param, SettingOption):
+                grouped.setdefault(param.group, []).append(record)
+            else:
+                options.append(record)
+        for title, records in [("options", options), *((g, grouped[g]) for g in sections(grouped))]:
+            if records:
                 with formatter.section(title.capitalize()):
-                    formatter.write_dl(sections[title])
+                    formatter.write_dl(records)
 
 
 def is_bool(info: FieldInfo) -> bool:
@@ -166,7 +168,7 @@ def setting_options(entries: Callable[[], Iterable[Setting]]) -> Callable[[F], F
     return apply
 
 
-def server_options(*groups: Group) -> Callable[[F], F]:
+def server_options(*groups: str) -> Callable[[F], F]:
     """The options of the server settings in ``groups``, plus ``--config``."""
 
     def entries() -> list[Setting]:

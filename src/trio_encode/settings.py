@@ -37,7 +37,7 @@ from pydantic_settings import (
     SettingsError,
 )
 
-from trio_encode.declare import SETTINGS, Group, comma_separated, in_group, secret_in_file
+from trio_encode.declare import SETTINGS, comma_separated, in_group, secret_in_file
 from trio_encode.encoder.settings import EncoderSettings
 from trio_encode.engine.mooncake import MooncakeSettings, default_progress_timeout
 from trio_encode.receivers import ReceiverPolicy
@@ -248,8 +248,9 @@ class Setting:
         return flag_of(self.name)
 
     @property
-    def group(self) -> Group:
-        return cast(Group, _extra(self.info)["group"])
+    def group(self) -> str:
+        """The ``--help`` section it is listed in."""
+        return cast(str, _extra(self.info)["group"])
 
     @property
     def help(self) -> str:

@@ -92,9 +92,12 @@ _OVER_BUDGET = "trio_encode.body_over_budget"
 class _BodyLimits:
     """ASGI middleware: what request bodies may cost, counted as their bytes stream in.
 
-    Per route: the body of every route but the image routes ends at ``control_limit`` bytes.
-    Quart buffers a body as it arrives, up to the app-wide ``MAX_CONTENT_LENGTH`` (sized for
-    images), and has no public per-route bound on that buffer.
+    Per route: the body of every route but the image routes ends at ``control_limit`` bytes,
+    whether its ``Content-Length`` says it is longer or more of it arrives. This is the only
+    place that decides it, for both paths (:class:`_FastRoutes` and Quart); the handler that
+    reads the body refuses it (:func:`_refuse_cut`). Quart buffers a body as it arrives, up to
+    the app-wide ``MAX_CONTENT_LENGTH`` (sized for images), and has no public per-route bound
+    on that buffer.
 
     In total: every request reserves its body's bytes from one budget (``budget``; one client
     address at most half of it) for as long as its handler runs, since the handler holds the
@@ -135,7 +138,9 @@ class _BodyLimits:
         client = scope["client"][0] if scope.get("client") else "unknown"
         declared = _content_length(scope)
         reserved = 0
-        if declared and (limit is None or declared <= limit):
+        if declared and limit is not None and declared > limit:
+            scope[_CUT] = True
+        elif declared:
             if self._reserve(client, declared):
                 reserved = declared
             else:
@@ -177,9 +182,12 @@ class _BodyLimits:
 
 
 def _content_length(scope: Any) -> int | None:
+    """The declared body length: any run of digits, as Quart reads it (None: not declared, or
+    not a number). Past 20 digits it is over every limit, so the rest is not converted."""
     for name, value in scope["headers"]:
         if name == b"content-length":
-            return int(value) if value.isdigit() and len(value) <= 19 else None
+            digits = value.strip()
+            return int(digits[:20]) if digits.isdigit() else None
     return None
 
 
@@ -221,11 +229,12 @@ class _FastRoutes:
     objects, context, hooks and dispatch, which cost more than hypercorn itself per call.
 
     Everything the contract says of these routes stays, from the same functions the Quart
-    path uses: the token, the body limits (:class:`_BodyLimits` runs in front of both), the
-    body timeout, the error answers and their logs (:func:`failure_of`), the metrics and the
-    access log line (:func:`_Recorder`), and a client's disconnect cancelling its handler (as
-    quart-trio does: nothing is answered, counted or logged). Any other method or route goes on
-    to Quart (405, 404, ``HEAD``)."""
+    path uses: the token, the body limits (decided by :class:`_BodyLimits` in front of both,
+    refused by :func:`_refuse_cut` once the body is read), the body timeout, the error answers
+    and their logs (:func:`failure_of`), the metrics and the access log line
+    (:func:`_Recorder`), and a client's disconnect cancelling its handler (as quart-trio does:
+    nothing is answered, counted or logged). Any other method or route goes on to Quart (405,
+    404, ``HEAD``)."""
 
     def __init__(
         self,
@@ -259,7 +268,7 @@ class _FastRoutes:
         path = scope["path"]
         answer: Answer
         try:
-            refusal = self._early(scope, path)
+            refusal = self._unauthorized(scope, path)
             if refusal is not None:
                 answer = refusal
             elif not route.reads_body:  # a probe: its handler never waits
@@ -286,25 +295,17 @@ class _FastRoutes:
             await send({"type": "http.response.start", "status": status, "headers": headers})
             await send({"type": "http.response.body", "body": data, "more_body": False})
 
-    def _early(self, scope: Any, path: str) -> RequestError | None:
-        """The refusals made before a byte of the body is read: the token, then a declared
-        body over the route's limit (in that order, as Quart's hooks run)."""
-        if self.expected is not None and path in _PROTECTED:
-            given = b""
-            for name, value in scope["headers"]:
-                if name == b"authorization":
-                    given = value
-                    break
-            if not hmac.compare_digest(given, self.expected):
-                return unauthorized()
-        declared = None
+    def _unauthorized(self, scope: Any, path: str) -> RequestError | None:
+        """The refusal made before a byte of the body is read (as Quart's hook does): a
+        protected route without the token."""
+        if self.expected is None or path not in _PROTECTED:
+            return None
+        given = b""
         for name, value in scope["headers"]:
-            if name == b"content-length":  # any length of digits, as Quart reads it
-                declared = int(value) if value.strip().isdigit() else None
+            if name == b"authorization":
+                given = value
                 break
-        if declared is not None and declared > self.control_limit:
-            raise TooLarge(f"{path} takes bodies of at most {self.control_limit} bytes")
-        return None
+        return None if hmac.compare_digest(given, self.expected) else unauthorized()
 
     async def _serve(
         self,
@@ -350,8 +351,8 @@ async def _cancel_on_disconnect(receive: Any, serving: trio.CancelScope) -> None
 
 
 def _refuse_cut(scope: Any, path: str, control_limit: int, budget: int) -> None:
-    """What :class:`_BodyLimits` decided about this body: over the budget (503) or cut at
-    the route's limit (413)."""
+    """What :class:`_BodyLimits` decided about this body, once read: over the budget (503)
+    or over the route's limit (413). The one place either is refused, on both paths."""
     if scope.get(_OVER_BUDGET):
         raise Overloaded(
             f"request bodies in flight are at max_bodies_in_flight_bytes ({budget} bytes; one "
@@ -416,16 +417,10 @@ def create_app(service: EncodeService, metrics: Metrics, settings: ServerSetting
             return None
         return error_response(unauthorized())
 
-    @app.before_request
-    async def limit_body() -> None:
-        if request.path in _IMAGE_ROUTES:
-            return
-        if request.content_length is not None and request.content_length > control_limit:
-            raise TooLarge(f"{request.path} takes bodies of at most {control_limit} bytes")
-        request.max_content_length = control_limit  # what a 413 of Quart's own names
-
     async def read_body() -> bytes:
-        data: bytes = await request.get_data(cache=False, as_text=False, parse_form_data=False)
+        data = b""
+        if not request.scope.get(_CUT):  # a body cut before a byte was read has none to read
+            data = await request.get_data(cache=False, as_text=False, parse_form_data=False)
         _refuse_cut(request.scope, request.path, control_limit, budget)
         return data
 

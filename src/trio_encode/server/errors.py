@@ -130,8 +130,8 @@ def install_error_handlers(app: Any) -> None:
 
 
 def _body_limit() -> str:
-    """``: at most N bytes`` for the body being refused (the route's own limit, else the
-    server's ``max_body_bytes``: Quart's public per-request ``max_content_length``)."""
+    """``: at most N bytes`` for the body being refused: the server's ``max_body_bytes``
+    (Quart's ``max_content_length``; control routes are refused before Quart reads)."""
     limit = request.max_content_length
     return f": at most {limit} bytes ({format_size(limit)})" if limit else ""
 
