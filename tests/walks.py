@@ -26,7 +26,7 @@ import threading
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 from itertools import pairwise
 from pathlib import Path
@@ -47,8 +47,9 @@ from trio_encode.settings import ServerSettings
 from trio_encode.testing.images import noise_uri
 
 PACKAGE = Path(trio_encode.__file__).resolve().parent
-STAND_INS = {"testing/memory_engine.py": "engine"}
-"""Test doubles in the walk, placed in the layer of the part they stand in for."""
+STAND_INS = {"testing/memory_engine.py": "engine", "ending.py": "request_state"}
+"""Test doubles in the walk, placed in the layer of the part they stand in for (and a module
+of older trees, in the layer of the one that replaced it)."""
 OBSERVERS = frozenset({"logs.py", "server/metrics.py", "observer.py"})
 """Files that only watch a call (logs, metrics): the walk is also shown without them."""
 MODULES = (
@@ -67,6 +68,10 @@ MODULES = (
 )
 """The modules whose lines are counted (a pattern under the package)."""
 CORE_LEFT_OUT = ("tools", "testing")
+CHAIN_TARGETS = ("scope", "engine", "encoder", "encoder/backend.py")
+"""Units (or files) whose first call's stack is shown: a call's own path, without the other
+tasks' interleaving. A handler reaches its scope; the scope's task the engine or the encoder;
+the batcher's task the model."""
 
 
 class Tracer:
@@ -77,6 +82,9 @@ class Tracer:
         self.recording = False
         self.calls: list[tuple[str | None, str]] = []
         """(the calling file when the caller is in the package too, the called file)"""
+        self.chains: dict[str, list[str]] = {}
+        """By target (see :data:`CHAIN_TARGETS`): the package files on the call stack
+        (outermost first) of the first call into it, whichever task made it."""
         self._started: dict[int, FrameType] = {}  # kept alive so that no id is reused
 
     def __call__(self, frame: FrameType, event: str, arg: Any) -> None:
@@ -90,9 +98,14 @@ class Tracer:
                 return
             self._started[id(frame)] = frame
         caller = frame.f_back
-        self.calls.append(
-            (_package_file(caller.f_code.co_filename) if caller else None, _package_file(path))
+        called = _package_file(path)
+        self.calls.append((_package_file(caller.f_code.co_filename) if caller else None, called))
+        unit = STAND_INS.get(called or "") or unit_of(
+            "trio_encode." + (called or "").removesuffix(".py").replace("/", ".")
         )
+        target = called if called in CHAIN_TARGETS else unit
+        if target in CHAIN_TARGETS and target not in self.chains:
+            self.chains[target] = _stack(frame)
 
     def install(self) -> None:
         threading.setprofile(self)
@@ -106,6 +119,7 @@ class Tracer:
     async def trace(self, action: Callable[[], Any]) -> list[tuple[str | None, str]]:
         """The calls ``action()`` (awaited) makes, and every task's while it runs."""
         self.calls = []
+        self.chains = {}
         self.recording = True
         try:
             await action()
@@ -117,6 +131,17 @@ class Tracer:
 def _package_file(path: str) -> str | None:
     """``path`` relative to the package (None: not in it)."""
     return Path(path).relative_to(PACKAGE).as_posix() if path.startswith(str(PACKAGE)) else None
+
+
+def _stack(frame: FrameType | None) -> list[str]:
+    """The package files on ``frame``'s stack, outermost first, collapsed."""
+    files: list[str] = []
+    while frame is not None:
+        file = _package_file(frame.f_code.co_filename)
+        if file is not None:
+            files.append(file)
+        frame = frame.f_back
+    return collapsed(reversed(files))
 
 
 def collapsed(calls: Iterable[str]) -> list[str]:
@@ -145,6 +170,8 @@ def climbs(walk: list[str]) -> int:
 class Walk:
     route: str
     calls: list[tuple[str | None, str]]
+    chains: dict[str, list[str]] = field(default_factory=dict)
+    """The handler's own call stack at its first call into each of :data:`CHAIN_TARGETS`."""
 
     def files(self, leave_out: frozenset[str] = frozenset()) -> list[str]:
         """The walk: the called files in order, collapsed, without ``leave_out``."""
@@ -220,10 +247,10 @@ async def walk_routes(engine: str = "memory") -> list[Walk]:
             await post("/encode", encode("warm-up", 1))
             await post("/send", send("warm-up"))
             bodies = {"/encode": encode("walked", 2), "/send": send("walked")}  # made untraced
-            walks = [
-                Walk(route, await tracer.trace(partial(post, route, body)))
-                for route, body in bodies.items()
-            ]
+            walks = []
+            for route, body in bodies.items():
+                calls = await tracer.trace(partial(post, route, body))
+                walks.append(Walk(route, calls, dict(tracer.chains)))
             await rank.deregister(buffer.data_ptr())
     finally:
         tracer.remove()
@@ -263,6 +290,11 @@ def report(walks: list[Walk], *, with_sizes: bool = True) -> list[str]:
     lines = [f"package: {PACKAGE}"]
     for walk in walks:
         lines.append(f"== {walk.route}")
+        for target, chain in sorted(walk.chains.items()):
+            lines.append(
+                f"  stack at the first call into {target}: {len(set(chain))} files, "
+                f"{climbs(chain)} climbs: " + " -> ".join(chain)
+            )
         lines += ["  " + line for line in walk.lines()]
         lines.append("  without observers/logs/metrics:")
         lines += ["    " + line for line in walk.lines(OBSERVERS)]
