@@ -624,6 +624,44 @@ MUTANTS: dict[str, Mutant] = {
             "tests/test_server_fast_routes.py::test_the_fast_routes_answer_log_and_count_exactly_as_quart_does",
         ),
     ),
+    "Qwen3-VL-MoE sent without its deepstack layers": Mutant(
+        "encoder/vlm.py",
+        '    "qwen3_vl_moe": _DEEPSTACK,\n',
+        '    "qwen3_vl_moe": _QWEN,\n',
+        (
+            "tests/test_encoder_vlm.py::test_served_bytes_equal_transformers_and_counts_equal_the_prompt[qwen3_vl_moe-float32]",
+        ),
+    ),
+    "the deepstack width read from one model type": Mutant(
+        "encoder/vlm.py",
+        "        if self.family.deepstack:\n",
+        '        if model_type == "qwen3_vl":\n',
+        (
+            "tests/test_encoder_vlm.py::test_served_bytes_equal_transformers_and_counts_equal_the_prompt[qwen3_vl_moe-float32]",
+        ),
+    ),
+    "Qwen3.5 given a deepstack it does not have": Mutant(
+        "encoder/vlm.py",
+        '    "qwen3_5": _QWEN,\n',
+        '    "qwen3_5": _DEEPSTACK,\n',
+        (
+            "tests/test_encoder_vlm.py::test_served_bytes_equal_transformers_and_counts_equal_the_prompt[qwen3_5-float32]",
+        ),
+    ),
+    "Gemma 4's padding patches served as real ones": Mutant(
+        "encoder/vlm.py",
+        "packed[..., -2:].to(torch.long)",
+        "packed[..., -2:].to(torch.long).clamp(min=0)",
+        (
+            "tests/test_encoder_vlm.py::test_served_bytes_equal_transformers_and_counts_equal_the_prompt[gemma4-float32]",
+        ),
+    ),
+    "a served family without a tiny model": Mutant(
+        "testing/tiny_vlm.py",
+        '    "gemma4": "Gemma 4",\n',
+        "",
+        ("tests/test_tiny_model.py::test_every_served_vlm_family_has_a_tiny_model",),
+    ),
     "a tool's help section comes after the product's": Mutant(
         "declare.py",
         "    return own + [name for name in GROUPS if name in unique]",

@@ -144,12 +144,16 @@ def test_feature_layer_and_dtype(tmp_path: Path) -> None:
 
 
 def test_unsupported_model_type_is_refused(tmp_path: Path) -> None:
+    from trio_encode.encoder.vlm import FAMILIES
+
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
     with pytest.raises(
         ValueError,
-        match="holds a bert model; supported model types: clip, clip_vision_model, gemma3",
-    ):
+        match="holds a bert model; supported model types: clip, clip_vision_model, gemma3, gemma4",
+    ) as refused:
         load_backend(EncoderSettings(model=tmp_path))
+    named = str(refused.value).rpartition(": ")[2].split(", ")
+    assert set(FAMILIES) <= set(named)
 
 
 async def test_image_encoder_serves_an_hf_tower(tmp_path: Path) -> None:

@@ -15,9 +15,10 @@ from trio_encode.encoder import EncoderSettings, ImageEncoder
 from trio_encode.testing.images import mixed_jpegs
 from trio_encode.testing.tiny_vlm import FAMILIES, family_named
 
-WIDTH = {"qwen2_5_vl": 512, "qwen3_vl": 3 * 64, "clip": 32, "siglip": 32}
+WIDTH = {"qwen2_5_vl": 512, "qwen3_vl": 3 * 64, "qwen3_vl_moe": 3 * 64, "clip": 32, "siglip": 32}
 """Each family's embedding width: the language model's hidden size (64 unless named here);
-Qwen3-VL's rows carry its two deepstack layers beside it; a bare tower's is its own."""
+Qwen3-VL's (and its MoE's) rows carry its two deepstack layers beside it; a bare tower's is
+its own."""
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -48,6 +49,10 @@ async def test_a_tiny_model_of_each_family_is_served_from_its_directory(
         ("qwen2_vl", "qwen2_vl"),
         ("LLaVA-OneVision", "llava_onevision"),
         ("Gemma 3", "gemma3"),
+        ("Gemma 4", "gemma4"),
+        ("Qwen3.5", "qwen3_5"),
+        ("Qwen3.5-MoE", "qwen3_5_moe"),
+        ("Qwen3-VL-MoE", "qwen3_vl_moe"),
         ("internvl", "internvl"),
         ("SigLIP", "siglip"),
         ("qwen", None),
@@ -55,6 +60,12 @@ async def test_a_tiny_model_of_each_family_is_served_from_its_directory(
 )
 def test_a_family_is_known_by_its_model_type_or_its_name(name: str, family: str | None) -> None:
     assert family_named(name) == family
+
+
+def test_every_served_vlm_family_has_a_tiny_model() -> None:
+    from trio_encode.encoder.vlm import FAMILIES as SERVED
+
+    assert set(SERVED) <= set(FAMILIES)
 
 
 def test_an_unknown_family_is_refused_listing_the_families(tmp_path: Path) -> None:

@@ -99,6 +99,13 @@ def _qwen3_gather(model: Any, inputs: Any) -> list[torch.Tensor]:
     ]
 
 
+def _gemma4_gather(model: Any, inputs: Any) -> list[torch.Tensor]:
+    out = model.get_image_features(
+        pixel_values=inputs["pixel_values"], image_position_ids=inputs["image_position_ids"]
+    )
+    return list(out.pooler_output)
+
+
 def _plain_gather(model: Any, inputs: Any) -> list[torch.Tensor]:
     out = model.get_image_features(pixel_values=inputs["pixel_values"]).pooler_output
     return list(out)
@@ -123,11 +130,22 @@ _TESTS_VISION: dict[str, dict[str, Any]] = {"qwen2_vl": {"intermediate_size": 48
 they were)."""
 
 _GEMMA3_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>"}
+_GEMMA4_TOKENS = {
+    "image_token": "<|image|>",
+    "boi_token": "<|image>",
+    "eoi_token": "<image|>",
+    "audio_token": "<|audio|>",
+    "boa_token": "<|audio>",
+    "eoa_token": "<audio|>",
+}
 _INTERNVL_TOKENS = {"start_image_token": "<img>", "end_image_token": "</img>"}
 _TALK: dict[str, tuple[dict[str, str], Any, Callable[[Any, Any], list[torch.Tensor]], str]] = {
     "qwen2_vl": (QWEN_TOKENS, T.Qwen2VLProcessor, _qwen_gather, "<|image_pad|>"),
     "qwen2_5_vl": (QWEN_TOKENS, T.Qwen2_5_VLProcessor, _qwen_gather, "<|image_pad|>"),
     "qwen3_vl": (QWEN_TOKENS, T.Qwen3VLProcessor, _qwen3_gather, "<|image_pad|>"),
+    "qwen3_vl_moe": (QWEN_TOKENS, T.Qwen3VLProcessor, _qwen3_gather, "<|image_pad|>"),
+    "qwen3_5": (QWEN_TOKENS, T.Qwen3VLProcessor, _qwen_gather, "<|image_pad|>"),
+    "qwen3_5_moe": (QWEN_TOKENS, T.Qwen3VLProcessor, _qwen_gather, "<|image_pad|>"),
     "llava": ({"image_token": "<image>"}, T.LlavaProcessor, _plain_gather, "<image>"),
     "llava_onevision": (
         {"image_token": "<image>"},
@@ -141,6 +159,7 @@ _TALK: dict[str, tuple[dict[str, str], Any, Callable[[Any, Any], list[torch.Tens
         _plain_gather,
         "<start_of_image>",
     ),
+    "gemma4": (_GEMMA4_TOKENS, T.Gemma4Processor, _gemma4_gather, "<|image|>"),
     "internvl": (
         {**_INTERNVL_TOKENS, "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"},
         T.InternVLProcessor,
@@ -180,11 +199,12 @@ def _expanded_token(family: str, tokens: dict[str, str]) -> str:
 
 def _without_video(processor_class: Any) -> Any:
     """The processor class taking no video processor: transformers' video processors need
-    torchvision (not installed here), and only the image half is used."""
+    torchvision (not installed here), and only the image half is used (nor, for Gemma 4, an
+    audio feature extractor)."""
 
     class ImagesOnly(processor_class):  # type: ignore[misc,valid-type]
         def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
-            if argument is None and argument_name == "video_processor":
+            if argument is None and argument_name in ("video_processor", "feature_extractor"):
                 return None
             return super().check_argument_for_proper_class(argument_name, argument)
 
@@ -192,8 +212,10 @@ def _without_video(processor_class: Any) -> Any:
 
 
 def _processor(processor_class: Any, family: str, image_processor: Any, tokenizer: Any) -> Any:
-    if family in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"):
+    if family.startswith("qwen"):
         return _without_video(processor_class)(image_processor, tokenizer, None)
+    if family == "gemma4":
+        return _without_video(processor_class)(None, image_processor, tokenizer, None)
     if family == "llava":
         return processor_class(
             image_processor,
@@ -218,4 +240,16 @@ def _processor(processor_class: Any, family: str, image_processor: Any, tokenize
     raise ValueError(family)
 
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "llava_onevision", "gemma3", "internvl")
+FAMILIES = (
+    "qwen2_vl",
+    "qwen2_5_vl",
+    "qwen3_vl",
+    "qwen3_vl_moe",
+    "qwen3_5",
+    "qwen3_5_moe",
+    "llava",
+    "llava_onevision",
+    "gemma3",
+    "gemma4",
+    "internvl",
+)

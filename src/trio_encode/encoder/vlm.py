@@ -7,8 +7,9 @@ from the model's own ``get_image_features``, on the model's own image processor'
 embeddings and token counts are the model's, with no rule restated here.
 
 Images of any size share a forward: Qwen-VL packs every image's patches into one sequence
-with their grids; tiled and fixed-size models concatenate their tiles. The per-image split is
-the one ``get_image_features`` returns (or, for tiles, the processor's tile counts).
+with their grids; Gemma 4's processor pads every image's patches to one length, so its images
+stack; tiled and fixed-size models concatenate their tiles. The per-image split is the one
+``get_image_features`` returns (or, for tiles, the processor's tile counts).
 
 ``transformers`` is imported only here and only when such a model is asked for.
 """
@@ -49,6 +50,9 @@ class Family:
     """Tokens of one tile of pixels (None: a grid per image, Qwen-VL)."""
     features: Features
     """One forward of ``get_image_features`` -> one ``(tokens, hidden)`` tensor per image."""
+    deepstack: bool = False
+    """Whether each row carries the deepstack layers' features beside the merger's (Qwen3-VL
+    and its MoE): ``hidden * (1 + len(deepstack_visual_indexes))`` columns."""
 
 
 def _qwen_features(model: Any, images: Sequence[Prepared], device: torch.device) -> list[Any]:
@@ -70,6 +74,15 @@ def _qwen3_features(model: Any, images: Sequence[Prepared], device: torch.device
         torch.cat([main, *(layer[index] for layer in per_layer)], dim=-1)
         for index, main in enumerate(out.pooler_output)
     ]
+
+
+def _gemma4_features(model: Any, images: Sequence[Prepared], device: torch.device) -> list[Any]:
+    """Gemma 4: every image's patches (padded by its processor to one patch budget) and their
+    positions in one forward; the model strips the padding and splits the rows per image."""
+    packed = torch.cat([image.pixels for image in images]).to(device)
+    pixels, positions = packed[..., :-2], packed[..., -2:].to(torch.long)
+    out = model.get_image_features(pixel_values=pixels, image_position_ids=positions)
+    return list(out.pooler_output)
 
 
 def _tile_features(model: Any, images: Sequence[Prepared], device: torch.device) -> list[Any]:
@@ -121,11 +134,16 @@ def _first(value: Any) -> int:
 
 
 _QWEN = Family(("model.visual",), None, _qwen_features)
+_DEEPSTACK = Family(("model.visual",), None, _qwen3_features, deepstack=True)
 _PROJECTED = ("model.vision_tower", "model.multi_modal_projector")
 FAMILIES: dict[str, Family] = {
     "qwen2_vl": _QWEN,
     "qwen2_5_vl": _QWEN,
-    "qwen3_vl": Family(("model.visual",), None, _qwen3_features),
+    "qwen3_vl": _DEEPSTACK,
+    "qwen3_vl_moe": _DEEPSTACK,
+    "qwen3_5": _QWEN,
+    "qwen3_5_moe": _QWEN,
+    "gemma4": Family(("model.vision_tower", "model.embed_vision"), None, _gemma4_features),
     "llava": Family(
         ("model.vision_tower", "model.multi_modal_projector"), _llava_tokens, _tile_features
     ),
@@ -173,7 +191,7 @@ class VLMVisionModel:
         )
         text = config.get_text_config()
         self.hidden_size = int(text.hidden_size)
-        if model_type == "qwen3_vl":
+        if self.family.deepstack:
             self.hidden_size *= 1 + len(config.vision_config.deepstack_visual_indexes)
         self._merge = int(getattr(config.vision_config, "spatial_merge_size", 1))
         self._per_tile = (
@@ -203,9 +221,15 @@ class VLMVisionModel:
         return self.prepare(open_image(data, max_pixels=max_pixels))
 
     def prepare(self, image: Image.Image) -> Prepared:
-        """An upright RGB image through the model's own image processor."""
+        """An upright RGB image through the model's own image processor. Gemma 4's patch
+        positions (``(x, y)``, -1 for padding) ride as the last two columns of its pixels
+        (small integers, exact in float32): one tensor per image, as the batcher carries it."""
         out = self.processor(images=[image], return_tensors="pt")
         pixels: torch.Tensor = out["pixel_values"].to(torch.float32).contiguous()
+        if "image_position_ids" in out:
+            positions = out["image_position_ids"].to(torch.float32)
+            packed = torch.cat([pixels, positions], dim=-1).contiguous()
+            return Prepared(packed, int(out["num_soft_tokens_per_image"][0]))
         if "image_sizes" in out and self._per_tile is None:
             height, width = (int(v) for v in out["image_sizes"][0])
             tokens = self._onevision_tokens(height, width, int(pixels.shape[-2]))

@@ -23,9 +23,13 @@ FAMILIES: dict[str, str] = {
     "qwen2_vl": "Qwen2-VL",
     "qwen2_5_vl": "Qwen2.5-VL",
     "qwen3_vl": "Qwen3-VL",
+    "qwen3_vl_moe": "Qwen3-VL-MoE",
+    "qwen3_5": "Qwen3.5",
+    "qwen3_5_moe": "Qwen3.5-MoE",
     "llava": "LLaVA 1.5",
     "llava_onevision": "LLaVA-OneVision",
     "gemma3": "Gemma 3",
+    "gemma4": "Gemma 4",
     "internvl": "InternVL",
     "clip": "CLIP vision tower",
     "siglip": "SigLIP vision tower",
@@ -184,7 +188,17 @@ _QWEN_VISION: dict[str, Any] = {
     "temporal_patch_size": 2,
 }
 """What every tiny Qwen vision tower shares: two layers of two heads, 14 px patches (16 for
-Qwen3-VL), merged 2x2."""
+Qwen3-VL and the families after it), merged 2x2."""
+_QWEN3_5_TOWER: dict[str, Any] = {
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "patch_size": 16,
+    "out_hidden_size": 64,
+    "num_position_embeddings": 64,
+}
+"""Qwen3.5's tower: Qwen3-VL's without its deepstack layers."""
+_QWEN3_TOWER: dict[str, Any] = {**_QWEN3_5_TOWER, "deepstack_visual_indexes": [0, 1]}
+"""Qwen3-VL's (and Qwen3-VL-MoE's) tower: two deepstack layers."""
 _QWEN_TOWERS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2_vl": ("Qwen2VL", {"embed_dim": 32, "hidden_size": 64, "mlp_ratio": 2}),
     "qwen2_5_vl": (
@@ -198,20 +212,33 @@ _QWEN_TOWERS: dict[str, tuple[str, dict[str, Any]]] = {
             "fullatt_block_indexes": [1],
         },
     ),
-    "qwen3_vl": (
-        "Qwen3VL",
-        {
-            "hidden_size": 32,
-            "intermediate_size": 48,
-            "patch_size": 16,
-            "out_hidden_size": 64,
-            "num_position_embeddings": 64,
-            "deepstack_visual_indexes": [0, 1],
-        },
-    ),
+    "qwen3_vl": ("Qwen3VL", _QWEN3_TOWER),
+    "qwen3_vl_moe": ("Qwen3VLMoe", _QWEN3_TOWER),
+    "qwen3_5": ("Qwen3_5", _QWEN3_5_TOWER),
+    "qwen3_5_moe": ("Qwen3_5Moe", _QWEN3_5_TOWER),
 }
-"""Each Qwen family's transformers class prefix and its vision tower beyond :data:`_QWEN_VISION`
-(Qwen3-VL's rope is interleaved)."""
+"""Each Qwen family's transformers class prefix and its vision tower beyond
+:data:`_QWEN_VISION`."""
+_MOE_TEXT: dict[str, Any] = {
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+}
+_LINEAR_TEXT: dict[str, Any] = {
+    "linear_key_head_dim": 8,
+    "linear_value_head_dim": 8,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+}
+_QWEN_TEXT: dict[str, dict[str, Any]] = {
+    "qwen3_vl_moe": _MOE_TEXT,
+    "qwen3_5": _LINEAR_TEXT,
+    "qwen3_5_moe": {**_LINEAR_TEXT, **_MOE_TEXT, "shared_expert_intermediate_size": 32},
+}
+"""Keys the language models of the newer Qwen families need beyond :data:`TINY_TEXT`: four
+experts, two a token (the MoE ones); small linear-attention heads (Qwen3.5's layer)."""
+_INTERLEAVED = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+"""The Qwen families whose language model's multimodal rope is interleaved."""
 
 
 def _qwen(
@@ -219,8 +246,9 @@ def _qwen(
 ) -> TinyParts:
     prefix, tower_config = _QWEN_TOWERS[family]
     tower_config = {**_QWEN_VISION, **tower_config}
+    rope = mrope(interleaved=family in _INTERLEAVED)
     config = getattr(t, f"{prefix}Config")(
-        text_config={**text, "rope_parameters": mrope(interleaved=family == "qwen3_vl")},
+        text_config={**text, **_QWEN_TEXT.get(family, {}), "rope_parameters": rope},
         vision_config={**tower_config, **vision},
         **QWEN_IDS,
     )
@@ -279,6 +307,46 @@ def _gemma3(t: Any, text: dict[str, Any], _tokens: int, _vision: dict[str, Any])
     return TinyParts(t.Gemma3ForConditionalGeneration, config, processor)
 
 
+_GEMMA4_PROCESSOR: dict[str, Any] = {
+    "patch_size": 4,
+    "max_soft_tokens": 70,
+    "pooling_kernel_size": 3,
+}
+"""The tiny Gemma 4's image processor: 4 px patches pooled 3x3, at most 70 tokens an image (its
+processor's least budget), so an image is resized to about 100x100 px, aspect kept."""
+
+
+def _gemma4(t: Any, text: dict[str, Any], _tokens: int, _vision: dict[str, Any]) -> TinyParts:
+    vision = {
+        **tower(num_key_value_heads=2, head_dim=16),
+        "patch_size": _GEMMA4_PROCESSOR["patch_size"],
+        "pooling_kernel_size": _GEMMA4_PROCESSOR["pooling_kernel_size"],
+        "position_embedding_size": 256,
+        "standardize": True,
+        "use_clipped_linears": True,
+    }
+    config = t.Gemma4Config(
+        text_config={
+            **text,
+            "vocab_size_per_layer_input": text["vocab_size"],
+            "hidden_size_per_layer_input": 8,
+            "sliding_window": 16,
+            "layer_types": ["full_attention"],
+        },
+        vision_config=vision,
+        audio_config=None,
+        boi_token_id=9,
+        eoi_token_id=10,
+        image_token_id=11,
+        video_token_id=12,
+        audio_token_id=13,
+        boa_token_id=14,
+        eoa_token_index=15,
+    )
+    processor = t.Gemma4ImageProcessorPil(**_GEMMA4_PROCESSOR)
+    return TinyParts(t.Gemma4ForConditionalGeneration, config, processor)
+
+
 def _internvl(t: Any, text: dict[str, Any], _tokens: int, _vision: dict[str, Any]) -> TinyParts:
     config = t.InternVLConfig(
         text_config={"model_type": "qwen2", **text},
@@ -311,6 +379,7 @@ _PARTS: dict[str, Callable[[Any, dict[str, Any], int, dict[str, Any]], TinyParts
     "llava": _llava,
     "llava_onevision": _llava_onevision,
     "gemma3": _gemma3,
+    "gemma4": _gemma4,
     "internvl": _internvl,
     "clip": _clip,
     "siglip": _siglip,
