@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import trio
 
@@ -47,6 +48,8 @@ from trio_encode.request_types import (
 )
 
 log = logging.getLogger(__name__)
+
+E = TypeVar("E", bound=Exception)
 
 
 @dataclass(eq=False)
@@ -353,9 +356,9 @@ class RequestScope:
             if exc.call == "transfer":  # the ledger counts its own register failures
                 self._observer.engine_error(exc.call, exc.code)
             log.error("send failed: %s", exc, extra={"req_id": self.req_id})
-            attempt.error = exc.fresh()  # kept: without the frames that hold the embedding
+            attempt.error = _bare(exc)
         except RequestError as exc:
-            attempt.error = exc.fresh()
+            attempt.error = _bare(exc)
         except Exception as exc:
             self._fail_unexpectedly(exc)
         finally:
@@ -457,3 +460,14 @@ class RequestScope:
     def _why_not_served(self) -> RequestError:
         """The error for a call that the scope can no longer serve."""
         return refusal(self.req_id, self.ended())
+
+
+def _bare(error: E) -> E:
+    """``error`` itself stripped of its traceback and chained exceptions, to be kept (each
+    waiter raises a fresh copy). Stripped in place, not copied: the log line about it may keep
+    the object, and its frames hold the embedding (and the attempt keeping the error, a
+    cycle), so memory the ledger has released would stay alive until the collector ran."""
+    error.__traceback__ = None
+    error.__context__ = None
+    error.__cause__ = None
+    return error
