@@ -624,6 +624,12 @@ MUTANTS: dict[str, Mutant] = {
             "tests/test_server_fast_routes.py::test_the_fast_routes_answer_log_and_count_exactly_as_quart_does",
         ),
     ),
+    "a kept send error holds the frames of its raise": Mutant(
+        "scope.py",
+        "    error.__traceback__ = None\n    error.__context__ = None",
+        "    error.__context__ = None",
+        (EXPLORE + "test_random_schedules_with_engine_faults",),
+    ),
     "Qwen3-VL-MoE sent without its deepstack layers": Mutant(
         "encoder/vlm.py",
         '    "qwen3_vl_moe": _DEEPSTACK,\n',
