@@ -99,3 +99,56 @@ def test_strings_and_big_numbers_round_trip() -> None:
     assert loaded.req_id == "r\u00e9"
     big = CompletionMessage("r", 1, 0, shape=(2**40, 7), dtype="float32")
     assert safe_loads(big.to_bytes()).shape == [2**40, 7]
+
+
+def test_a_video_part_carries_its_modality_grid_and_metadata_as_sglangs_encoder_sends_them() -> (
+    None
+):
+    """A video part: ``Modality.VIDEO``, its ``video_grid_thw`` as the grid, and its
+    ``video_timestamps`` and ``second_per_grid_ts`` as attributes after the standard fields,
+    in the order SGLang's encoder passes them."""
+    timestamps = [[0.25, 1.25, 2.25]]
+    seconds = [1.0]
+    message = CompletionMessage(
+        "rid_local_part_1",
+        2,
+        1,
+        grid_dim=[(3, 16, 24)],
+        shape=(288, 64),
+        dtype="float32",
+        modality="VIDEO",
+        meta=(("video_timestamps", timestamps), ("second_per_grid_ts", seconds)),
+    )
+    data = message.to_bytes()
+    loaded = safe_loads(data)
+    staged = EmbeddingData(
+        "rid_local_part_1",
+        2,
+        1,
+        [[3, 16, 24]],
+        Modality.VIDEO,
+        torch.empty(288, 64),
+        video_timestamps=timestamps,
+        second_per_grid_ts=seconds,
+    )
+    expected = staged.copy_without_embedding()
+    assert list(loaded.__dict__) == list(expected.__dict__)
+    assert loaded.__dict__ == expected.__dict__
+    assert loaded.modality is Modality.VIDEO
+    assert globals_named(data) <= ALLOWED
+
+
+@pytest.mark.parametrize("value", [0.0, -1.5, 1 / 3, 1e300])
+def test_floats_round_trip_exactly(value: float) -> None:
+    message = CompletionMessage(
+        "r", 1, 0, shape=(1, 1), dtype="float32", modality="VIDEO",
+        meta=(("second_per_grid_ts", [value]),),
+    )  # fmt: skip
+    assert safe_loads(message.to_bytes()).second_per_grid_ts == [value]
+
+
+def test_an_unknown_modality_or_metadata_name_is_refused() -> None:
+    with pytest.raises(ValueError, match="modality"):
+        CompletionMessage("r", 1, 0, shape=(1, 1), dtype="float32", modality="SMELL")
+    with pytest.raises(ValueError, match="metadata"):
+        CompletionMessage("r", 1, 0, shape=(1, 1), dtype="float32", meta=(("rope", 1),))

@@ -55,6 +55,7 @@ class EmbeddingData:
         embedding_shape: list[int] | None = None,
         error_msg: str | None = None,
         error_code: int | None = None,
+        **kwargs: Any,
     ) -> None:
         self.req_id = req_id
         self.num_parts = num_parts
@@ -71,6 +72,8 @@ class EmbeddingData:
         self._mr_ptr: int | None = None
         self.error_msg = error_msg
         self.error_code = int(error_code) if error_code is not None else None
+        for key, value in kwargs.items():  # extra metadata, e.g. a video's timestamps
+            setattr(self, key, value)
 
     def copy_without_embedding(self) -> EmbeddingData:
         """What SGLang's encoder pickles: a new object, then every public attribute copied."""

@@ -9,16 +9,19 @@ bytes name three globals, all on that list (SGLang 0.5.23):
 
 - ``sglang.srt.disaggregation.encoder.receiver.EmbeddingData``, the object, rebuilt as pickle
   rebuilds a plain instance (``__new__`` without arguments, then its ``__dict__``);
-- ``sglang.srt.multimodal.modality.Modality``, called with the member's value (``IMAGE`` is 1);
+- ``sglang.srt.multimodal.modality.Modality``, called with the member's value (``IMAGE`` 1,
+  ``VIDEO`` 2, ``AUDIO`` 3: its ``auto()`` members in that order);
 - ``torch.<dtype>`` (``torch.bfloat16``...), the embedding's dtype, as ``pickle`` writes one.
 
 The ``__dict__`` holds what ``EmbeddingData.copy_without_embedding()`` leaves, in its order:
 ``req_id`` (the part's id), ``num_parts``, ``part_idx``, ``grid_dim``, ``modality``,
 ``embedding`` (None), ``send_time`` (None), ``dtype``, ``shape`` (``[rows, dim]``),
-``_mr_ptr`` (None), ``error_msg``, ``error_code``. An error message has no grid, dtype or
-shape (None) and a message and an HTTP status instead. Values are only None, ints, strings
-and lists, so nothing else needs allowing. Protocol 2 opcodes, no memo: the smallest subset
-every unpickler since Python 2.3 reads.
+``_mr_ptr`` (None), ``error_msg``, ``error_code``, then the part's extra metadata, as SGLang's
+encoder passes it as keyword arguments (a video's ``video_timestamps`` and
+``second_per_grid_ts``, which SGLang's ``MultiModalEmbeddingData`` copies per part and chains
+as lists). An error message has no grid, dtype or shape (None) and a message and an HTTP status
+instead. Values are only None, ints, floats, strings and lists, so nothing else needs allowing.
+Protocol 2 opcodes, no memo: the smallest subset every unpickler since Python 2.3 reads.
 """
 
 from __future__ import annotations
@@ -29,10 +32,15 @@ from dataclasses import dataclass
 
 EMBEDDING_DATA = ("sglang.srt.disaggregation.encoder.receiver", "EmbeddingData")
 MODALITY = ("sglang.srt.multimodal.modality", "Modality")
-IMAGE = 1
-"""``Modality.IMAGE.value`` (the enum's first ``auto()`` member)."""
+MODALITIES = {"IMAGE": 1, "VIDEO": 2, "AUDIO": 3}
+"""``Modality[name].value`` by name: the enum's ``auto()`` members in order."""
+META = frozenset({"video_timestamps", "second_per_grid_ts"})
+"""The extra metadata a part may carry (SGLang's general video metadata)."""
 DTYPES = frozenset({"float32", "bfloat16", "float16"})
 """Embedding dtypes, by their ``torch`` attribute names."""
+
+
+Value = None | bool | int | float | str | Sequence["Value"]
 
 
 @dataclass(frozen=True)
@@ -47,8 +55,17 @@ class CompletionMessage:
     dtype: str | None = None
     error_msg: str | None = None
     error_code: int | None = None
+    modality: str = "IMAGE"
+    """SGLang's ``Modality`` member name: which grid list the prefill files the part under."""
+    meta: tuple[tuple[str, Value], ...] = ()
+    """Extra metadata of the part (names in :data:`META`), in the order SGLang writes it."""
 
     def __post_init__(self) -> None:
+        if self.modality not in MODALITIES:
+            raise ValueError(f"no SGLang modality is named {self.modality!r}")
+        unknown = {name for name, _ in self.meta} - META
+        if unknown:
+            raise ValueError(f"no part metadata is named {sorted(unknown)}")
         if not 0 <= self.part_idx < self.num_parts:
             raise ValueError(f"part_idx {self.part_idx} is not in [0, {self.num_parts})")
         if self.dtype is not None and self.dtype not in DTYPES:
@@ -79,8 +96,8 @@ class CompletionMessage:
             _value(out, value)
         _value(out, "modality")
         _global(out, *MODALITY)
-        _value(out, IMAGE)
-        out += b"\x85R"  # TUPLE1 REDUCE: Modality(1)
+        _value(out, MODALITIES[self.modality])
+        out += b"\x85R"  # TUPLE1 REDUCE: Modality(value)
         _value(out, "embedding")
         _value(out, None)
         _value(out, "send_time")
@@ -95,15 +112,13 @@ class CompletionMessage:
             ("_mr_ptr", None),
             ("error_msg", self.error_msg),
             ("error_code", self.error_code),
+            *self.meta,
         )
         for key, value in tail:
             _value(out, key)
             _value(out, value)
         out += b"ub."  # SETITEMS BUILD STOP
         return bytes(out)
-
-
-Value = None | bool | int | str | Sequence["Value"]
 
 
 def _global(out: bytearray, module: str, name: str) -> None:
@@ -127,6 +142,8 @@ def _value(out: bytearray, value: Value) -> None:
             if len(raw) > 255:
                 raise ValueError("integer too large for a message")
             out += b"\x8a" + bytes([len(raw)]) + raw  # LONG1
+    elif isinstance(value, float):
+        out += b"G" + struct.pack(">d", value)  # BINFLOAT
     elif isinstance(value, str):
         raw = value.encode("utf-8", "surrogatepass")
         out += b"X" + struct.pack("<I", len(raw)) + raw  # BINUNICODE
