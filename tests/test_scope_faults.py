@@ -180,8 +180,8 @@ async def test_an_openers_disconnect_does_not_end_the_request_for_its_siblings(
 async def test_a_transient_refusal_leaves_nothing_behind(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    """A 503 from the encoder (queue full) is not remembered: a later retry of the same
-    req_id is encoded afresh instead of being told 500 for an hour."""
+    """A 503 from the encoder (queue full) is not remembered as a failure: a later retry of
+    the same req_id is encoded afresh instead of being told 500 for an hour."""
     fabric = InMemoryFabric()
     encoder = _SlowLoadEncoder(encode_error=Overloaded("the encoder queue is full"))
     async with EncodeService.running(engine=fabric.engine("encoder"), encoder=encoder) as service:

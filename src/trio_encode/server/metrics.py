@@ -157,8 +157,8 @@ class Exposed:
     """Log lines dropped since start because the log's reader was too slow or gone (read at
     scrape time; it only grows)."""
     background_task_failures = _Metric(Counter, ("kind",))
-    """Background tasks of the service that raised (request watchers, failure handling and
-    pushes), contained: the process and other requests go on; by kind."""
+    """Background work of the service that raised (a request's end handling, failure
+    messages and pushes), contained: the process and other requests go on; by kind."""
     connection_failures = _Metric(Counter, ("kind",))
     """Connections closed because their server task raised (contained: the process and the
     other connections go on), by the exceptions' class names."""
