@@ -291,7 +291,7 @@ MUTANTS: dict[str, Mutant] = {
         ),
     ),
     "a store put reads a segment it does not hold (failure 20)": Mutant(
-        "encoder/batcher.py",
+        "encoder/keeping.py",
         "            segment.arena.lease(segment)\n            done = partial(",
         "            done = None and partial(",
         ("tests/test_encoder_store.py::test_a_pending_store_put_keeps_its_segment_from_reuse",),
@@ -307,23 +307,28 @@ MUTANTS: dict[str, Mutant] = {
             PAUSED,
         ),
     ),
-    "a poisoned arena segment served from the cache (failure 24)": Mutant(
-        "encoder/front.py",
-        "        segment.digest is not None and checksum_of(segment.buffer) == segment.digest",
-        "        True",
+    "a poisoned kept row served, in the arena or in plain memory (failure 24)": Mutant(
+        "encoder/keeping.py",
+        "        kept.checksum is not None and tensor_checksum(kept.row) == kept.checksum for kept",
+        "        True for kept",
         (
             "tests/test_http_security.py::"
             "test_an_engine_write_into_the_arena_is_detected_and_never_served",
-        ),
-    ),
-    "a poisoned row of the plain cache served (failure 24)": Mutant(
-        "encoder/front.py",
-        "strict=True) if want != got\n",
-        "strict=True) if False\n",
-        (
             "tests/test_http_security.py::"
             "test_an_engine_write_into_a_registered_cached_row_is_never_served",
+            "tests/test_encoder_store_late_cache_row.py::"
+            "test_a_cache_row_found_after_a_store_miss_is_verified_before_it_is_served",
+            "tests/test_encoder_keeping.py::"
+            "test_an_overwritten_arena_segment_is_dropped_and_encoded_again",
+            "tests/test_encoder_keeping.py::"
+            "test_an_overwritten_cached_row_is_dropped_and_encoded_again",
         ),
+    ),
+    "the arena's records of kept rows grow with every image ever seen": Mutant(
+        "encoder/keeping.py",
+        "        if len(self._written) > 2 * len(self.arena) + 16:",
+        "        if False:",
+        ("tests/test_encoder_keeping.py::test_the_arena_records_are_pruned_as_the_arena_evicts",),
     ),
     "a poisoned Mooncake Store entry served (failure 24)": Mutant(
         "encoder/store.py",
@@ -350,7 +355,7 @@ MUTANTS: dict[str, Mutant] = {
         ("tests/test_encoder_store_key.py::test_a_row_changed_since_its_forward_is_never_sealed",),
     ),
     "rows sent as they lie give their arena leases back before the send": Mutant(
-        "encoder/front.py",
+        "encoder/keeping.py",
         "        embedding = RowsEmbedding(rows, grids, leases=held)",
         "        embedding = RowsEmbedding(rows, grids)",
         (

@@ -23,7 +23,7 @@ from support.fake_encoder import (
 from trio_encode.arena import Arena
 from trio_encode.embedding import ArenaEmbedding, Embedding, RowsEmbedding
 from trio_encode.encoder import ImageEncoder
-from trio_encode.encoder.batcher import ARENA_WAIT
+from trio_encode.encoder.keeping import ARENA_WAIT
 
 
 def make(arena: Arena, cache_bytes: int = 0) -> ImageEncoder:

@@ -133,6 +133,14 @@ async def test_a_request_larger_than_the_queue_is_invalid(
             await encoder.encode([])
 
 
+async def test_loading_checks_the_image_count_before_anything_is_loaded() -> None:
+    encoder, _, _ = make(replace(SETTINGS, queue_size=2))
+    with pytest.raises(InvalidInput, match="mm_items is empty: send at least one image"):
+        await encoder.load_items([])
+    with pytest.raises(InvalidInput, match=r"3 images in one request; .* at most 2"):
+        await encoder.load_items(["/nonexistent"] * 3)
+
+
 async def test_cancelled_while_queued_is_removed_and_never_encoded(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

@@ -83,7 +83,7 @@ async def test_a_cache_row_found_after_a_store_miss_is_verified_before_it_is_ser
     )
     data = image(90)
     key = content_key(backend.model_id, data)
-    cache = encoder._cache
+    cache = encoder.cache
     assert cache is not None
     async with encoder_running(encoder) as nursery:
         got = []

@@ -78,12 +78,6 @@ class Segment:
     leases: int = 1
     key: Hashable | None = None
     """The cache key it is kept under, once the arena keeps it."""
-    tag: object = None
-    """What its writer keeps with the bytes (the encoder: the image's grid); never read here."""
-    digest: str | None = None
-    """The checksum its writer recorded when it filled the segment, for a reader to compare
-    before serving the bytes again (the arena is registered memory: whoever reaches the
-    transfer engine can write it); never read here."""
     freed: bool = field(default=False)
 
     @property
@@ -118,7 +112,8 @@ class Arena:
         """Bytes of segments kept under a key (leased or not)."""
         self._released = trio.Event()
         self.fallbacks = 0
-        """Times an embedding could not be placed in the arena and took the per-request path."""
+        """Requests whose embedding did not lie wholly in the arena (some image found no room)
+        and took the per-request registration path; counted by whoever makes the embedding."""
 
     # -- what the gauges read -----------------------------------------------------------------
 

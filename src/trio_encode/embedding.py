@@ -1,14 +1,16 @@
 """The embedding a request scope ships, and the facts about its memory.
 
-Three shapes: :class:`Embedding`, one contiguous tensor (registered per request when sent);
-:class:`RowsEmbedding`, a request's images' tensors in order (each registered once, however
-often it repeats, and sent as it lies); and :class:`ArenaEmbedding`, the request's images'
-segments of the registered arena, sent as they lie (no registration, no concatenation).
+Two shapes, differing in how many pieces the bytes lie in: :class:`Embedding`, one
+contiguous tensor (registered per request when sent), and :class:`RowsEmbedding`, a request's
+images' tensors in order, sent as they lie (each registered once, however often it repeats; a
+row inside the registered arena is covered by the arena's registration, and its segment's
+lease is held until the embedding is released). :class:`ArenaEmbedding` is the latter with
+every row in the arena: nothing to register, nothing to concatenate.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -99,73 +101,10 @@ class Embedding:
         """Nothing to give back: dropping the last reference frees the tensor."""
 
 
-class _Pieces:
-    """An embedding as pieces, one per image, sent one after another as they lie: what
-    :class:`RowsEmbedding` and :class:`ArenaEmbedding` share. Each says where its pieces lie
-    (``segments``) and what their bytes are (``_piece_bytes``)."""
-
-    views: list[torch.Tensor]
-    """Each piece's ``(rows, dim)`` tensor, in order (one may repeat)."""
-    grids: tuple[Grid | None, ...]
-    """Per image, the grid its model used (None for a fixed-grid model)."""
-
-    @property
-    def segments(self) -> list[tuple[int, int]]:
-        raise NotImplementedError
-
-    def _piece_bytes(self) -> Iterator[memoryview]:
-        raise NotImplementedError
-
-    @property
-    def address(self) -> int:
-        return self.segments[0][0]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(nbytes for _, nbytes in self.segments)
-
-    @property
-    def rows(self) -> int:
-        return sum(self.image_lens)
-
-    @property
-    def dim(self) -> int:
-        return int(self.views[0].shape[1])
-
-    @property
-    def dtype(self) -> str:
-        return DTYPE_NAMES[self.views[0].dtype]
-
-    @property
-    def image_lens(self) -> tuple[int, ...]:
-        """Rows of each image (piece), in order."""
-        return tuple(int(view.shape[0]) for view in self.views)
-
-    @cached_property
-    def checksum(self) -> str:
-        """The checksum of the pieces' bytes one after another, as a receiver holds them
-        (reads every byte: call it off the event loop first)."""
-        digest = xxhash.xxh3_64()
-        for piece in self._piece_bytes():
-            digest.update(piece)
-        return f"{CHECKSUM_ALGORITHM}:{digest.hexdigest()}"
-
-    @property
-    def tensor(self) -> torch.Tensor:
-        """The rows as one contiguous tensor, like :attr:`Embedding.tensor` (here a copy: the
-        pieces lie apart)."""
-        return torch.cat(self.views, dim=0)
-
-    def copy(self) -> Embedding:
-        """The same bytes in one fresh tensor (outside the arena)."""
-        return Embedding(self.tensor, self.grids, self.image_lens)
-
-
-class RowsEmbedding(_Pieces):
+class RowsEmbedding:
     """A request's images' ``(rows, dim)`` tensors, in order, sent one after another as they
     lie: never concatenated, so a request naming one cached image 64 times costs 64
-    ``(address, length)`` pairs, not 64 copies of its rows. Each distinct tensor is registered
-    once (a row inside the registered arena is covered by the arena's registration)."""
+    ``(address, length)`` pairs, not 64 copies of its rows."""
 
     def __init__(
         self,
@@ -180,7 +119,9 @@ class RowsEmbedding(_Pieces):
         if len({(part.dim, part.dtype) for part in self._parts}) != 1:
             raise ValueError("every tensor must have the same dim and dtype")
         self.views = [part.tensor for part in self._parts]
+        """Each image's ``(rows, dim)`` tensor, in order (one may repeat)."""
         self.grids = check_grids(grids)
+        """Per image, the grid its model used (None for a fixed-grid model)."""
         self._leases = list(leases)
         """Arena segments some rows lie in, one lease each, given back by :meth:`release`."""
 
@@ -188,9 +129,49 @@ class RowsEmbedding(_Pieces):
     def segments(self) -> list[tuple[int, int]]:
         return [(part.address, part.nbytes) for part in self._parts]
 
-    def _piece_bytes(self) -> Iterator[memoryview]:
+    @property
+    def address(self) -> int:
+        return self._parts[0].address
+
+    @property
+    def nbytes(self) -> int:
+        return sum(part.nbytes for part in self._parts)
+
+    @property
+    def rows(self) -> int:
+        return sum(self.image_lens)
+
+    @property
+    def dim(self) -> int:
+        return self._parts[0].dim
+
+    @property
+    def dtype(self) -> str:
+        return self._parts[0].dtype
+
+    @property
+    def image_lens(self) -> tuple[int, ...]:
+        """Rows of each image, in order."""
+        return tuple(part.rows for part in self._parts)
+
+    @cached_property
+    def checksum(self) -> str:
+        """The checksum of the rows' bytes one after another, as a receiver holds them
+        (reads every byte: call it off the event loop first)."""
+        digest = xxhash.xxh3_64()
         for view in self.views:
-            yield view.view(torch.uint8).numpy().data
+            digest.update(view.view(torch.uint8).numpy().data)
+        return f"{CHECKSUM_ALGORITHM}:{digest.hexdigest()}"
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The rows as one contiguous tensor, like :attr:`Embedding.tensor` (here a copy: the
+        rows lie apart)."""
+        return torch.cat(self.views, dim=0)
+
+    def copy(self) -> Embedding:
+        """The same bytes in one fresh tensor (outside the arena)."""
+        return Embedding(self.tensor, self.grids, self.image_lens)
 
     def release(self) -> None:
         """Give back the arena leases of rows that lie in the arena, once (on the event loop,
@@ -200,42 +181,22 @@ class RowsEmbedding(_Pieces):
             segment.arena.release(segment)
 
 
-class ArenaEmbedding(_Pieces):
-    """A request's embedding as its images' arena segments, in order (one may repeat).
-
-    Holds one lease on each listed segment, given back by :meth:`release` (on the event loop,
-    after the scope has stopped every transfer that reads them). ``views`` are views of the
-    segments' bytes, for callers that want tensors.
-    """
+class ArenaEmbedding(RowsEmbedding):
+    """A :class:`RowsEmbedding` whose every row is a view of an arena segment, given as
+    ``(segment, view)`` pairs in order (one may repeat). It holds one lease on each listed
+    segment, given back by :meth:`release` (on the event loop, after the scope has stopped
+    every transfer that reads them)."""
 
     def __init__(
         self, parts: Sequence[tuple[Segment, torch.Tensor]], grids: Sequence[Grid | None] = ()
     ) -> None:
-        if not parts:
-            raise ValueError("an embedding needs at least one segment")
-        first = parts[0][1]
-        if any(row.dim() != 2 or row.shape[1] != first.shape[1] for _, row in parts):
-            raise ValueError("every segment must hold (rows, dim) of the same dim")
-        self._segments = [segment for segment, _ in parts]
-        self.views = [row for _, row in parts]
-        self.grids = check_grids(grids)
-        self._released = False
-
-    @property
-    def segments(self) -> list[tuple[int, int]]:
-        return [(segment.address, segment.nbytes) for segment in self._segments]
-
-    def _piece_bytes(self) -> Iterator[memoryview]:
-        for segment in self._segments:
-            yield segment.buffer
-
-    def release(self) -> None:
-        """Give the segments' leases back to the arena, once."""
-        if self._released:
-            return
-        self._released = True
-        for segment in self._segments:
-            segment.arena.release(segment)
+        for segment, view in parts:
+            start = view.data_ptr() - segment.address
+            if not 0 <= start <= segment.nbytes - view.numel() * view.element_size():
+                raise ValueError("a row must lie in its segment")
+        super().__init__(
+            [view for _, view in parts], grids, leases=[segment for segment, _ in parts]
+        )
 
 
 CHECKSUM_ALGORITHM = "xxh3-64"

@@ -11,7 +11,7 @@ from typing import TypeVar
 import torch
 import trio
 
-from trio_encode.embedding import Embedding
+from trio_encode.embedding import Embedding, RowsEmbedding
 from trio_encode.encoder import EncoderSettings, ImageEncoder, Preprocess
 from trio_encode.testing.images import solid_image
 
@@ -98,7 +98,7 @@ def image(red: int) -> bytes:
     return solid_image(4, 4, (red, 7, 9))
 
 
-def reds(embedding: Embedding) -> list[int]:
+def reds(embedding: Embedding | RowsEmbedding) -> list[int]:
     return [int(v) for v in embedding.tensor[:, 0]]
 
 

@@ -57,7 +57,7 @@ class CompletionMessage:
     error_code: int | None = None
     modality: str = "IMAGE"
     """SGLang's ``Modality`` member name: which grid list the prefill files the part under."""
-    meta: tuple[tuple[str, Value], ...] = ()
+    meta: tuple[tuple[str, float | list[float] | list[list[float]]], ...] = ()
     """Extra metadata of the part (names in :data:`META`), in the order SGLang writes it."""
 
     def __post_init__(self) -> None:

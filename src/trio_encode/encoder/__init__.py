@@ -1,4 +1,4 @@
-"""The vision encoder: image loading, the models, the front, the batcher and the caches.
+"""The vision encoder: image loading, the models, the front, the batcher, the kept embeddings.
 
 The service uses :class:`ImageEncoder`; everything else is exposed for tests, benchmarks and
 tools that save or load weights.
@@ -19,10 +19,10 @@ if TYPE_CHECKING:
         VisionModel,
         as_model,
     )
-    from trio_encode.encoder.batcher import ThreadRunner
     from trio_encode.encoder.cache import CacheKey, EmbeddingCache, content_key
     from trio_encode.encoder.front import EncoderInfo, ImageEncoder, arena_for
     from trio_encode.encoder.images import Preprocess, decode_image, load_item
+    from trio_encode.encoder.keeping import ThreadRunner
     from trio_encode.encoder.loader import load_backend
     from trio_encode.encoder.observer import EncoderObserver, NullEncoderObserver
     from trio_encode.encoder.settings import EncoderSettings
@@ -40,7 +40,7 @@ _HOMES = {
     "NullEncoderObserver": "trio_encode.encoder.observer",
     "Prepared": "trio_encode.encoder.backend",
     "Preprocess": "trio_encode.encoder.images",
-    "ThreadRunner": "trio_encode.encoder.batcher",
+    "ThreadRunner": "trio_encode.encoder.keeping",
     "VisionBackend": "trio_encode.encoder.backend",
     "VisionModel": "trio_encode.encoder.backend",
     "arena_for": "trio_encode.encoder.front",

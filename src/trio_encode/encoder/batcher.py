@@ -1,17 +1,20 @@
 """Cross-request batching: one forward pass for the queued images of many requests.
 
-The front (:mod:`trio_encode.encoder.front`) queues a :class:`Job` for each image no forward
-is computing yet; the long-lived :meth:`Batcher.run` task takes up to ``max_batch_size`` of
-them, and at most ``max_batch_tokens`` image tokens (waiting at most ``max_batch_wait`` for the
-oldest one's batch to fill), runs the model in a worker thread and delivers each job's row to
-every request waiting on it. Images of different sizes share a forward; the model returns one
-tensor per image, so nothing is padded and nothing is split by guesswork. The thread is never
-abandoned: a cancelled caller waits for it, so no tensor is freed while the model writes it.
+The front (:mod:`trio_encode.encoder.front`) hands :meth:`Batcher.encode` the images of a
+request that no level of the keeper (:mod:`trio_encode.encoder.keeping`) holds. An image no
+forward is computing yet is decoded and queued as a :class:`Job`; one already queued or in a
+forward is joined, so a second request waits for the same job and gets the same row. The
+long-lived :meth:`Batcher.run` task takes up to ``max_batch_size`` jobs, and at most
+``max_batch_tokens`` image tokens (waiting at most ``max_batch_wait`` for the oldest one's batch
+to fill), runs the model in a worker thread, writes each row through the keeper once and
+delivers it to every request waiting on it. Images of different sizes share a forward; the
+model returns one tensor per image, so nothing is padded and nothing is split by guesswork.
+The thread is never abandoned: a cancelled caller waits for it, so no tensor is freed while
+the model writes it.
 
-A job stays in :attr:`Batcher.in_flight`, by its image's content key, from queueing until it
-delivers, so that the front can join a second request to it. Every row a forward computes is
-kept where later requests look: this encoder's cache or arena, and the cluster-wide store
-(offered in the background).
+A caller cancelled while its images are still queued takes them out of the queue unless another
+request still waits for them (they are never encoded for nobody); one cancelled while its batch
+runs simply does not receive the result.
 
 With a registered arena (:mod:`trio_encode.arena`) each image's row is written into a segment
 of it by the forward's worker thread (the one copy): the segment its request reserved, else one
@@ -26,52 +29,60 @@ import io
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 import torch
 import trio
 from PIL import Image
 
-from trio_encode.arena import Arena, Segment
-from trio_encode.embedding import checksum_of, tensor_checksum
+from trio_encode.arena import Segment
+from trio_encode.embedding import tensor_checksum
 from trio_encode.encoder.backend import Prepared, VisionModel
-from trio_encode.encoder.cache import CacheKey, EmbeddingCache
+from trio_encode.encoder.cache import CacheKey
+from trio_encode.encoder.keeping import EmbeddingKeeper, Kept, ThreadRunner, release_segments
 from trio_encode.encoder.observer import EncoderObserver
 from trio_encode.encoder.settings import EncoderSettings
-from trio_encode.encoder.store import EmbeddingStore, store_key
-from trio_encode.errors import EncodeFailed, InvalidInput, RequestError, ShuttingDown
-from trio_encode.request_types import Grid
+from trio_encode.errors import (
+    EncodeFailed,
+    InvalidInput,
+    NotReady,
+    Overloaded,
+    RequestError,
+    ShuttingDown,
+)
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-ARENA_WAIT = 0.5
-"""Seconds a request waits for arena room for its new images (never past its deadline)
-before they go to ordinary memory and the request registers its own embedding."""
 
+@dataclass(eq=False)
+class _Wanted:
+    """One request's images that go to the forward, and where their rows go."""
 
-class ThreadRunner(Protocol):
-    """Runs a blocking function off the event loop (``trio.to_thread.run_sync`` by default;
-    tests inject one that runs inline, to keep real threads off the mock clock)."""
+    rows: list[Kept | None]
+    """The request's rows by image; the ones still wanted are None until delivered."""
+    remaining: int
+    done: trio.Event = field(default_factory=trio.Event)
+    error: RequestError | None = None
+    jobs: set[Job] = field(default_factory=set)  # what it waits on, to withdraw from
 
-    def __call__(self, fn: Callable[[], T], /) -> Awaitable[T]: ...
-
-
-class Waiter(Protocol):
-    """What a job delivers to: one request's rows, each at its index in the request."""
-
-    def deliver(
-        self, index: int, row: torch.Tensor, grid: Grid | None, segment: Segment | None
-    ) -> None:
-        """The row for image ``index`` and its grid; ``segment`` (if any) is the arena's memory
-        behind it."""
+    def deliver(self, index: int, kept: Kept) -> None:
+        if not self.done.is_set():
+            if kept.segment is not None:
+                kept.segment.arena.lease(kept.segment)  # the request's own, given back with it
+            self.rows[index] = kept
+            self.remaining -= 1
+            if self.remaining == 0:
+                self.done.set()
 
     def fail(self, error: RequestError) -> None:
-        """The image will not be encoded: the request fails with ``error``."""
+        if not self.done.is_set():
+            self.error = error
+            self.done.set()
 
 
 @dataclass(eq=False)
@@ -81,7 +92,7 @@ class Job:
     key: CacheKey
     image: Prepared
     enqueued_at: float
-    waiters: list[tuple[Waiter, int]] = field(default_factory=list)  # (request, its index)
+    waiters: list[tuple[_Wanted, int]] = field(default_factory=list)  # (request, its index)
     queued: bool = True
     segment: Segment | None = None
     """The arena segment reserved for its row (the job holds one lease until it delivers)."""
@@ -89,12 +100,11 @@ class Job:
     def drop_segment(self) -> None:
         """Give the reserved segment back (the job will not run, or has delivered)."""
         segment, self.segment = self.segment, None
-        if segment is not None:
-            segment.arena.release(segment)
+        release_segments([segment])
 
-    def deliver(self, row: torch.Tensor, segment: Segment | None) -> None:
+    def deliver(self, kept: Kept) -> None:
         for request, index in self.waiters:
-            request.deliver(index, row, self.image.grid, segment)
+            request.deliver(index, kept)
 
     def fail(self, error: RequestError) -> None:
         for request, _ in self.waiters:
@@ -103,35 +113,26 @@ class Job:
 
 class Batcher:
     """The queue of jobs and the task that runs them in batches (``run()`` in the service's
-    nursery). What to queue, and for whom, is the front's decision."""
+    nursery)."""
 
     def __init__(
         self,
-        backend: VisionModel,
+        model: VisionModel,
         settings: EncoderSettings,
         *,
         observer: EncoderObserver,
-        cache: EmbeddingCache | None,
-        arena: Arena | None,
-        store: EmbeddingStore | None,
-        run_decode: ThreadRunner | None = None,
+        keeper: EmbeddingKeeper,
+        in_worker_thread: ThreadRunner,
         run_forward: ThreadRunner | None = None,
     ) -> None:
-        self.backend = backend
+        self.model = model
         self.settings = settings
         self.observer = observer
-        self._row_bytes = backend.hidden_size * backend.dtype.itemsize
-        """Bytes of one token's embedding row."""
-        self._cache = cache
-        self._arena = arena
-        self._store = store
-        # Decoding gets its own small thread pool so a burst of big images cannot take every
-        # core from the forward pass.
-        self._decode_limiter = trio.CapacityLimiter(2)
+        self.keeper = keeper
+        self.in_worker_thread = in_worker_thread
+        """Runs a request's decode (one image a call) in the worker threads."""
         # The forward has threads of its own: it must never wait behind transfers or decodes.
         self._forward_limiter = trio.CapacityLimiter(1)
-        self.run_decode: ThreadRunner = run_decode or self._decode_in_thread
-        """Runs a request's blocking work other than the forward (decoding, hashing, copies)."""
         self._run_forward: ThreadRunner = run_forward or self._forward_in_thread
         self._queue: deque[Job] = deque()
         self._in_flight: dict[CacheKey, Job] = {}
@@ -146,11 +147,6 @@ class Batcher:
         return self._running
 
     @property
-    def stopped(self) -> bool:
-        """True once :meth:`run` has ended (until it runs again)."""
-        return self._stopped
-
-    @property
     def queued_images(self) -> int:
         """Images waiting for a forward pass, including those still being decoded."""
         return len(self._queue) + self._reserved
@@ -161,91 +157,124 @@ class Batcher:
         it instead of encoding it again."""
         return self._in_flight
 
-    # -- queueing ----------------------------------------------------------------------------
+    def refusal(self) -> RequestError:
+        """What a request gets while :meth:`run` is not serving: not started yet, or stopped."""
+        if self._stopped:
+            return ShuttingDown("the encoder has stopped")
+        return NotReady("the encoder is not ready yet")
 
-    async def decode(self, items: Sequence[bytes], indices: list[int]) -> list[Prepared]:
+    # -- a request's images ----------------------------------------------------------------------
+
+    async def encode(
+        self,
+        items: Sequence[bytes],
+        keys: Sequence[CacheKey],
+        missing: Sequence[int],
+        rows: list[Kept | None],
+    ) -> None:
+        """Fill ``rows[i]`` for each of ``missing`` with ``items[i]``'s row (one lease each on
+        a segment, the caller's to give back): joining the job of an image already queued or
+        in a forward, queueing one for each other image. Raises :class:`Overloaded` when the
+        queue has no room for the new images, :class:`InvalidInput` when one cannot be
+        decoded, or what the forward failed with."""
+        shared = [i for i in missing if keys[i] in self._in_flight]
+        own = [i for i in missing if keys[i] not in self._in_flight]
+        to_decode: dict[CacheKey, int] = {}  # one index per new image; duplicates share it
+        for index in own:
+            to_decode.setdefault(keys[index], index)
+        count = len(to_decode)
+        if self.queued_images + count > self.settings.queue_size:
+            self.observer.rejected(count)
+            raise Overloaded(
+                f"the encoder queue is full ({self.queued_images} of "
+                f"{self.settings.queue_size} images waiting); retry later"
+            )
+        request = _Wanted(rows, remaining=len(missing))
+        try:
+            # Join before decoding, so a shared job that finishes meanwhile still delivers.
+            for index in shared:
+                _wait_for(self._in_flight[keys[index]], request, index)
+            if to_decode:
+                prepared = await self._decode(items, list(to_decode.values()))
+                room = await self.keeper.reserve([image.tokens for image in prepared])
+                try:
+                    # A caller cancelled while its decode thread ran learns that first; only a
+                    # caller still wanted hears that the encoder stopped meanwhile.
+                    await trio.lowlevel.checkpoint_if_cancelled()
+                    if not self._running:
+                        raise self.refusal()
+                    places = zip(prepared, range(len(room)), strict=True)
+                    by_key = dict(zip(to_decode, places, strict=True))
+                    self._queue_jobs(request, keys, own, by_key, room)
+                finally:
+                    release_segments(room)  # what no new job took
+            await request.done.wait()
+        finally:
+            for job in request.jobs:
+                self._withdraw(job, request)
+            request.jobs.clear()
+        if request.error is not None:
+            raise request.error
+
+    async def _decode(self, items: Sequence[bytes], indices: list[int]) -> list[Prepared]:
         """``items[i]`` prepared for the model, for each of ``indices``, decoded in a worker
         thread while their places in the queue are held, so concurrent admissions count them."""
         self._reserved += len(indices)
         try:
-            # One image per thread call: the decode threads' limiter is first come, first
+            # One image per thread call: the worker threads' limiter is first come, first
             # served, so concurrent requests take turns image by image and a request of many
             # large images cannot hold the threads while another's single image waits.
-            pixels = []
-            for index in indices:
-                pixels += await self.run_decode(partial(self._decode, items, [index]))
-            return pixels
+            return [
+                await self.in_worker_thread(partial(self._decode_one, items[index], index))
+                for index in indices
+            ]
         finally:
             self._reserved -= len(indices)
 
-    def row_bytes(self, tokens: int) -> int:
-        """Bytes of an image's embedding of ``tokens`` rows."""
-        return tokens * self._row_bytes
-
-    async def reserve_segments(self, tokens: Sequence[int]) -> list[Segment | None]:
-        """A segment for each of a request's new images (of ``tokens`` rows each), waiting for
-        room while the arena is full, for at most :data:`ARENA_WAIT` and never past the
-        caller's deadline (the request scope's backstop). None where time ran out, or for an
-        image bigger than the arena: those go to ordinary memory and the request registers its
-        own (a fallback)."""
-        if self._arena is None:
-            return [None] * len(tokens)
-        deadline = min(trio.current_effective_deadline(), trio.current_time() + ARENA_WAIT)
-        room: list[Segment | None] = []
+    def _decode_one(self, data: bytes, index: int) -> Prepared:
+        """In a worker thread: one image prepared for the model."""
         try:
-            for count in tokens:
-                nbytes = self.row_bytes(count)
-                segment = None
-                if nbytes <= self._arena.nbytes and trio.current_time() < deadline:
-                    segment = await self._arena.allocate_by(nbytes, deadline)
-                room.append(segment)
-        except BaseException:
-            release_all(room)
-            raise
-        return room
+            return self.model.decode(data, max_pixels=self.settings.max_image_pixels)
+        except InvalidInput as exc:
+            raise InvalidInput(f"mm_items[{index}]: {exc.message}") from None
 
-    def submit(
-        self, key: CacheKey, image: Prepared, enqueued_at: float, segment: Segment | None
-    ) -> Job:
-        """Queue a job for an image no job is computing (``segment``: its reserved room)."""
-        job = Job(key, image, enqueued_at)
-        job.segment = segment
-        self._in_flight[job.key] = job
-        self._queue.append(job)
-        self._changed.set()
-        return job
+    def _queue_jobs(
+        self,
+        request: _Wanted,
+        keys: Sequence[CacheKey],
+        indices: list[int],
+        prepared: dict[CacheKey, tuple[Prepared, int]],
+        room: list[Segment | None],
+    ) -> None:
+        """Wait for each image's job, queueing one only where no request queued it meanwhile
+        (while this one decoded). A new job takes its image's segment from ``room`` (by the
+        position ``prepared`` gives it), leaving None there."""
+        now = trio.current_time()
+        for index in indices:
+            job = self._in_flight.get(keys[index])
+            if job is None:
+                image, place = prepared[keys[index]]
+                job = Job(keys[index], image, now, segment=room[place])
+                room[place] = None
+                self._in_flight[job.key] = job
+                self._queue.append(job)
+                self._changed.set()
+            _wait_for(job, request, index)
 
-    def withdraw(self, job: Job, waiter: Waiter) -> None:
-        """``waiter`` no longer waits for ``job``. A queued job nobody waits for any more
-        leaves the queue: it is never encoded for nobody."""
-        job.waiters = [(r, i) for r, i in job.waiters if r is not waiter]
+    def _withdraw(self, job: Job, request: _Wanted) -> None:
+        """``request`` no longer waits for ``job`` (done, failed or cancelled). A queued job
+        nobody waits for any more leaves the queue: it is never encoded for nobody."""
+        job.waiters = [(r, i) for r, i in job.waiters if r is not request]
         if job.queued and not job.waiters:
             self._queue.remove(job)
             job.queued = False
             job.drop_segment()
             self._forget(job)
 
-    def row_view(self, segment: Segment) -> torch.Tensor:
-        """An image's ``(tokens, hidden)`` row as a view of its segment's bytes."""
-        backend = self.backend
-        flat = torch.frombuffer(segment.buffer, dtype=torch.uint8)
-        return flat.view(backend.dtype).view(-1, backend.hidden_size)
-
     def _forget(self, job: Job) -> None:
         """Drop the job from the in-flight map (unless a newer job for its image took its place)."""
         if self._in_flight.get(job.key) is job:
             del self._in_flight[job.key]
-
-    def _decode(self, items: Sequence[bytes], indices: list[int]) -> list[Prepared]:
-        prepared = []
-        for index in indices:
-            try:
-                prepared.append(
-                    self.backend.decode(items[index], max_pixels=self.settings.max_image_pixels)
-                )
-            except InvalidInput as exc:
-                raise InvalidInput(f"mm_items[{index}]: {exc.message}") from None
-        return prepared
 
     # -- the batching task -------------------------------------------------------------------
 
@@ -253,9 +282,9 @@ class Batcher:
         """Serve batches until cancelled. Reports started (and ``running``) after a warm-up
         forward pass; on exit, every request still waiting gets :class:`ShuttingDown`."""
         if self._running:
-            raise RuntimeError("ImageEncoder.run is already running")
+            raise RuntimeError("Batcher.run is already running")
         if self.settings.warmup:
-            blank = await self.run_decode(self._warmup_image)
+            blank = await self.in_worker_thread(self._warmup_image)
             await self._run_forward(partial(self._forward, [blank]))
         self._stopped = False
         self._running = True
@@ -278,7 +307,7 @@ class Batcher:
         """A blank 224 px PNG, prepared as a request's image would be."""
         png = io.BytesIO()
         Image.new("RGB", (224, 224)).save(png, format="PNG")
-        return self.backend.decode(png.getvalue(), max_pixels=self.settings.max_image_pixels)
+        return self.model.decode(png.getvalue(), max_pixels=self.settings.max_image_pixels)
 
     def _batch_full(self) -> bool:
         """Whether the queue holds at least a whole batch (by images, or by tokens)."""
@@ -332,7 +361,7 @@ class Batcher:
                 partial(self._forward, images, targets)
             )
         except Exception as exc:
-            release_all(targets)
+            release_segments(targets)
             self.observer.batch_finished(len(batch), 0.0, ok=False)
             log.exception("vision encoder failed on a batch of %d images", len(batch))
             for job in batch:
@@ -345,7 +374,7 @@ class Batcher:
                 )
             return
         except BaseException:
-            release_all(targets)
+            release_segments(targets)
             for job in batch:
                 self._forget(job)
                 job.fail(ShuttingDown("the encoder stopped while this request ran"))
@@ -353,35 +382,11 @@ class Batcher:
         self.observer.batch_finished(len(batch), seconds, ok=True)
         for job, row, segment, checksum in zip(batch, rows, targets, checksums, strict=True):
             self._forget(job)
-            if self._cache is not None:
-                assert checksum is not None
-                self._cache.put(job.key, row, checksum, job.image.grid)
-            if self._store is not None:
-                assert checksum is not None
-                self._offer(job.key, row, segment, checksum)
-            if segment is not None:
-                segment.tag = job.image.grid
-                segment.arena.keep(segment, job.key)
-            job.deliver(row, segment)
-        release_all(targets)  # the forward's own leases; the waiters hold theirs
-        if self._cache is not None:
-            self.observer.cache_size(self._cache.nbytes, len(self._cache))
-        elif self._arena is not None:
-            self.observer.cache_size(self._arena.cached_bytes, len(self._arena))
-
-    def _offer(
-        self, key: CacheKey, row: torch.Tensor, segment: Segment | None, checksum: str
-    ) -> None:
-        """Offer a row to the store. The put reads it later, in the background: a row in the
-        arena is a view of its segment, so the put holds a lease on the segment until it no
-        longer reads it (an abandoned put too). Without it the segment could be evicted and
-        refilled meanwhile, and the store would keep another image's bytes under this key."""
-        assert self._store is not None
-        done = None
-        if segment is not None:
-            segment.arena.lease(segment)
-            done = partial(segment.arena.release, segment)
-        self._store.put(store_key(self.backend.fingerprint, key), row, checksum, done)
+            kept = Kept(row, job.image.grid, checksum, segment)
+            self.keeper.keep(job.key, kept)
+            job.deliver(kept)
+        release_segments(targets)  # the forward's own leases; the waiters hold theirs
+        self.keeper.report_size()
 
     def _allocate_segments(self, batch: list[Job]) -> list[Segment | None]:
         """A segment for each image of a batch, leased by the forward until it delivers: the
@@ -389,10 +394,7 @@ class Batcher:
         targets: list[Segment | None] = []
         for job in batch:
             segment, job.segment = job.segment, None
-            nbytes = self.row_bytes(job.image.tokens)
-            if segment is None and self._arena is not None and nbytes <= self._arena.nbytes:
-                segment = self._arena.allocate(nbytes)
-            targets.append(segment)
+            targets.append(segment or self.keeper.room_now(job.image.tokens))
         return targets
 
     def _forward(
@@ -401,57 +403,50 @@ class Batcher:
         """In the worker thread: one forward pass, one tensor per image, in host memory; an
         image with a target segment is copied into it (its row is then a view of the segment).
         Every copy has completed when this returns. With each row, the checksum of its bytes as
-        written here, for whatever keeps it (the cache, the arena, the store) to compare later
-        reads with (None where nothing keeps it)."""
+        written here, for whatever keeps it (the arena, plain memory, the store) to compare
+        later reads with (None where nothing keeps it)."""
         start = time.perf_counter()
-        backend = self.backend
+        model, keeper = self.model, self.keeper
         with torch.inference_mode():
-            outs = backend.encode(images)
+            outs = model.encode(images)
             if len(outs) != len(images):
                 raise RuntimeError(f"the model returned {len(outs)} embeddings for {len(images)}")
             for out, image in zip(outs, images, strict=True):
-                expected = (image.tokens, backend.hidden_size)
-                if tuple(out.shape) != expected or out.dtype != backend.dtype:
+                expected = (image.tokens, model.hidden_size)
+                if tuple(out.shape) != expected or out.dtype != model.dtype:
                     raise RuntimeError(
                         f"the model returned {tuple(out.shape)} {out.dtype} for an image, "
-                        f"expected {expected} {backend.dtype}"
+                        f"expected {expected} {model.dtype}"
                     )
-            # With a cache each image gets its own memory, so the cache's byte bound is exact
-            # and evicting an entry frees it; without one, rows may be views into the batch.
-            own = self._cache is not None or self._arena is not None
-            on_host = backend.device.type == "cpu"
+            # With a local level each image gets its own memory, so the cache's byte bound is
+            # exact and evicting an entry frees it; without one, rows may be views into the batch.
+            own = keeper.local is not None
+            on_host = model.device.type == "cpu"
             rows = []
             for index, out in enumerate(outs):
                 segment = targets[index] if targets else None
                 if segment is not None:
                     # From a GPU: asynchronous into the pinned arena, waited for below.
-                    rows.append(self.row_view(segment).copy_(out, non_blocking=not on_host))
+                    rows.append(keeper.row_view(segment).copy_(out, non_blocking=not on_host))
                 elif on_host:
                     rows.append(out.clone() if own else out.contiguous())
                 else:
                     rows.append(out.to("cpu"))
             if not on_host:
-                torch.cuda.synchronize(backend.device)
-            kept = self._cache is not None or self._store is not None
+                torch.cuda.synchronize(model.device)
             checksums: list[str | None] = []
             for index, row in enumerate(rows):
-                segment = targets[index] if targets else None
-                if segment is not None:  # what later requests compare the bytes with
-                    segment.digest = checksum_of(segment.buffer)
-                    checksums.append(segment.digest)
+                in_arena = bool(targets) and targets[index] is not None
+                if in_arena or keeper.checksums_rows_outside_the_arena:
+                    checksums.append(tensor_checksum(row))
                 else:
-                    checksums.append(tensor_checksum(row) if kept else None)
+                    checksums.append(None)
         return rows, checksums, time.perf_counter() - start
-
-    async def _decode_in_thread(self, fn: Callable[[], T]) -> T:
-        return await trio.to_thread.run_sync(fn, limiter=self._decode_limiter)
 
     async def _forward_in_thread(self, fn: Callable[[], T]) -> T:
         return await trio.to_thread.run_sync(fn, limiter=self._forward_limiter)
 
 
-def release_all(segments: Sequence[Segment | None]) -> None:
-    """Give back the lease held on each segment (None: no segment, nothing to give back)."""
-    for segment in segments:
-        if segment is not None:
-            segment.arena.release(segment)
+def _wait_for(job: Job, request: _Wanted, index: int) -> None:
+    job.waiters.append((request, index))
+    request.jobs.add(job)

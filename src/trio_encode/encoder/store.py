@@ -1,8 +1,9 @@
 """The second cache level: embeddings in Mooncake Store, shared by every encoder of a cluster.
 
-An encoder looks an image up in its own cache, then here, and only then runs the forward; after
-a forward it offers the embedding here, so the next encoder asked for that image (a sibling
-that failed over, an encoder that joined, an image routed elsewhere) skips the forward.
+The keeper (:mod:`trio_encode.encoder.keeping`) looks an image up in this encoder's arena or
+cache, then here, and only then is the forward run; after a forward it offers the embedding
+here, so the next encoder asked for that image (a sibling that failed over, an encoder that
+joined, an image routed elsewhere) skips the forward.
 
 Keys are ``trio-encode/checked/<model fingerprint>/<sha256 of the image bytes>``
 (:mod:`trio_encode.encoder.fingerprint`): encoders with different models or dtypes never share
@@ -32,7 +33,7 @@ The store must never fail or slow a request:
 - puts run in the background, off the request's path, from a bounded queue (when it is full,
   the put is dropped). A put reads its tensor when it runs, long after the forward that wrote
   it, and an abandoned put may read it later still: the caller says what to give back once the
-  put no longer reads it (``done``: the batcher's lease on an arena segment), and the store
+  put no longer reads it (``done``: the keeper's lease on an arena segment), and the store
   calls it only when the put has finished, failed, or was dropped, never at a timeout;
 - the connection to the master is made in the background too; until it is up, lookups report
   ``unavailable`` at once;

@@ -197,8 +197,6 @@ class EncodeService:
             # Check the input before a scope exists: bad input must leave nothing behind.
             try:
                 images = await self.encoder.load_items(mm_items)
-                if not images:
-                    raise InvalidInput("mm_items must name at least one image", req_id=req_id)
             except InvalidInput as exc:
                 # Pulls already waiting for this id learn why now, not at their timeout.
                 self.arrivals.announce(req_id, error=exc)

@@ -25,7 +25,8 @@ class Encoder(Protocol):
         ...
 
     async def load_items(self, items: Sequence[str]) -> list[bytes]:
-        """Check and load ``mm_items`` without decoding pixels; raise InvalidInput."""
+        """Check and load ``mm_items`` (at least one) without decoding pixels; raise
+        InvalidInput."""
         ...
 
     async def encode(self, images: Sequence[bytes]) -> EmbeddingMemory:

@@ -375,7 +375,7 @@ async def _measure_encoder(
         every_size = await trio.to_thread.run_sync(
             partial(_prepared, backend, mixed_jpegs(len(sizes), sizes), settings.max_image_pixels)
         )
-    bytes_per_image = max(encoder.batcher.row_bytes(image.tokens) for image in every_size)
+    bytes_per_image = max(encoder.keeper.row_bytes(image.tokens) for image in every_size)
     raw_images, raw_seconds, raw_rates = 0, 0.0, []
     rounds: list[ServedRound] = []
     latencies: list[float] = []
