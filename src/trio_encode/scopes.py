@@ -57,6 +57,9 @@ class ScopeRegistry:
         self.closed = False
         """Set at shutdown: no new scope opens."""
 
+    def is_closed(self) -> bool:
+        return self.closed
+
     def __len__(self) -> int:
         return len(self._scopes)
 

@@ -14,7 +14,6 @@ import trio
 
 from trio_encode.arrivals import Arrivals
 from trio_encode.completion import (
-    Endpoint,
     Pusher,
 )
 from trio_encode.engine import EngineError, TransferEngine
@@ -99,6 +98,7 @@ class EncodeService:
                 timeout=settings.completion_timeout,
                 observer=observer,
                 faults=self.faults,
+                closed=self.registry.is_closed,
                 pusher=pusher,
             )
         self.requests = Requests(self._pull_timeout)
@@ -244,19 +244,6 @@ class EncodeService:
         shape = await scope.wait_encoded()
         return EncodeReport(shape, scope.receive_count)
 
-    def _tell(
-        self,
-        record: RequestRecord,
-        failure: Failure,
-        *,
-        only: Endpoint | None = None,
-        client: str | None = None,
-    ) -> None:
-        """Tell the ranks bound to the request of its failure (:meth:`RankMessages.tell`);
-        nothing once the server is shutting down."""
-        if self.messages is not None and not self.registry.closed:
-            self.messages.tell(record, failure, only=only, client=client)
-
     def _pull_timeout(self) -> float:
         return self.settings.pull_timeout
 
@@ -284,7 +271,8 @@ class EncodeService:
         family, found through their indexes): the work is theirs, never the number of parts
         a client claims. A family already failed has had its siblings ended once."""
         req_id, part = record.req_id, record.part
-        self._tell(record, failure)
+        if self.messages is not None:
+            self.messages.tell(record, failure)
         family = Part.family(req_id, part)
         if family is None or self.requests.family_failure(req_id, part) is not None:
             return
@@ -387,8 +375,8 @@ class EncodeService:
             report = await scope.send(receiver)
         except RequestError as exc:
             known = record or self.requests.record(req_id)
-            if notify is not None and known is not None:
-                self._tell(known, Failure.of(exc), only=notify.endpoint, client=client)
+            if notify is not None and known is not None and self.messages is not None:
+                self.messages.tell(known, Failure.of(exc), only=notify.endpoint, client=client)
             raise
         if notify is not None and self.messages is not None and not report.repeat:
             await self.messages.done(req_id, record, notify, report)

@@ -10,6 +10,7 @@ to endpoints the request bound: a server must never push to addresses a client m
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import trio
 
@@ -39,6 +40,7 @@ class RankMessages:
         timeout: float,
         observer: LifecycleObserver,
         faults: TaskFaults,
+        closed: Callable[[], bool],
         pusher: Pusher | None = None,
     ) -> None:
         self.completions: Pusher = pusher or CompletionPusher(timeout=timeout, observer=observer)
@@ -46,6 +48,8 @@ class RankMessages:
         self.notices = FailureNotices(self.completions, faults, observer=observer)
         """Pushes failures to the ranks bound to a request, bounded per client."""
         self._faults = faults
+        self._closed = closed
+        """Whether the server is shutting down: failures are no longer told then."""
 
     async def start(self, nursery: trio.Nursery) -> None:
         await nursery.start(self.completions.run)
@@ -61,7 +65,10 @@ class RankMessages:
     ) -> None:
         """Push the request's failure, in the background, to the endpoints bound to it that
         were not told yet (``only``: to that one, if it is bound), charged to ``client`` (by
-        default each endpoint's own). An endpoint a request never bound is never told."""
+        default each endpoint's own). An endpoint a request never bound is never told, and
+        nobody once the server is shutting down."""
+        if self._closed():
+            return
         if only is None:
             targets = {e: c for e, c in record.endpoints.items() if e not in record.told}
         elif only in record.endpoints and only not in record.told:
