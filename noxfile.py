@@ -129,6 +129,20 @@ def sglang(session: nox.Session) -> None:
     )
 
 
+@nox.session(python=PYTHON, default=False)
+def video_processor(session: nox.Session) -> None:
+    """The video path against transformers' own video processors (the ``video_processor``
+    marker). They import torchvision, whose index wheels link CUDA torch and do not load with
+    constraints.txt's CPU torch: this session installs the index's torch 2.14.1 with its
+    torchvision 0.29.1 (about 5.8 GB installed; about a minute from local wheels), without the
+    constraints file."""
+    session.install("torch==2.14.1", "torchvision==0.29.1")
+    session.install(".[hf]", *nox.project.dependency_groups(PYPROJECT, "tests"))
+    session.run(
+        "pytest", "-m", "video_processor", "tests/test_encoder_vlm_video.py", *session.posargs
+    )
+
+
 @nox.session(python=PYTHON)
 def soak(session: nox.Session) -> None:
     """``trio-encode soak``: 5,000 requests against a real server and TP=4 receiver processes

@@ -37,6 +37,7 @@ FAULTS = "tests/test_scope_faults.py::"
 EXPLORE = "tests/test_explore.py::"
 HELD = "tests/test_scope_held_memory.py::"
 STATE = "tests/test_request_state.py::"
+VIDEO = "tests/test_encoder_vlm_video.py::"
 PAUSED = (
     "tests/test_scope_held_memory_mooncake.py::"
     "test_a_paused_rank_receives_its_own_bytes_when_it_resumes_never_the_next_requests"
@@ -672,6 +673,84 @@ MUTANTS: dict[str, Mutant] = {
         '    "gemma4": "Gemma 4",\n',
         "",
         ("tests/test_tiny_model.py::test_every_served_vlm_family_has_a_tiny_model",),
+    ),
+    "SGLang's frame resize not rounded": Mutant(
+        "encoder/vlm_video.py",
+        "    return torch.round(out).to(torch.uint8)",
+        "    return out.to(torch.uint8)",
+        (VIDEO + "test_each_resize_gives_torchvisions_bytes[sglang_down]",),
+    ),
+    "SGLang's frame resize not antialiased": Mutant(
+        "encoder/vlm_video.py",
+        '        mode="bilinear",\n        align_corners=False,\n        antialias=True,',
+        '        mode="bilinear",\n        align_corners=False,\n        antialias=False,',
+        (VIDEO + "test_each_resize_gives_torchvisions_bytes[sglang_down]",),
+    ),
+    "a frame's share of the video's pixels ignored": Mutant(
+        "encoder/vlm_video.py",
+        "min(pixels.max_pixels, pixels.total_pixels / frames * FRAME_FACTOR)",
+        "pixels.max_pixels",
+        (VIDEO + "test_sglangs_frame_size[720-1280-768-size3]",),
+    ),
+    "SGLang's pixel floor dropped": Mutant(
+        "encoder/vlm_video.py",
+        "        int(pixels.min_pixels * 1.05),\n",
+        "        0,\n",
+        (VIDEO + "test_sglangs_pixel_floor_bounds_the_longest_videos",),
+    ),
+    "Qwen3-VL's frame-counting rule applied per frame": Mutant(
+        "encoder/vlm_video.py",
+        "count, t_bar = frames, round(frames / temporal) * temporal",
+        "count, t_bar = 1, 1",
+        (VIDEO + "test_the_processors_own_rule_counts_frames_for_qwen3_only",),
+    ),
+    "the video processor not inferred from the image processor": Mutant(
+        "encoder/vlm_video.py",
+        "        if image and _transformers_has(inferred):",
+        "        if False:",
+        (VIDEO + "test_pixels_are_the_processors_recorded_ones[qwen3_vl]",),
+    ),
+    "the bicubic resize run through float": Mutant(
+        "encoder/vlm_video.py",
+        'if mode == "bicubic" or native_uint8_bilinear():',
+        'if mode == "bilinear" and native_uint8_bilinear():',
+        (VIDEO + "test_each_resize_gives_torchvisions_bytes[bicubic]",),
+    ),
+    "the processor's resize not antialiased": Mutant(
+        "encoder/vlm_video.py",
+        "mode=mode, align_corners=False, antialias=True)",
+        "mode=mode, align_corners=False, antialias=False)",
+        (VIDEO + "test_each_resize_gives_torchvisions_bytes[bicubic]",),
+    ),
+    "video frames normalised otherwise than transformers does": Mutant(
+        "encoder/vlm_video.py",
+        "return out.sub_(mean.view(-1, 1, 1)).div_(std.view(-1, 1, 1))",
+        "return out.sub_(mean.view(-1, 1, 1)).mul_(1 / std.view(-1, 1, 1))",
+        (VIDEO + "test_pixels_are_the_processors_recorded_ones[qwen2_vl]",),
+    ),
+    "an odd last frame padded with zeros": Mutant(
+        "encoder/vlm_video.py",
+        "frames[-1:].expand(pad, -1, -1, -1)",
+        "torch.zeros_like(frames[-1:]).expand(pad, -1, -1, -1)",
+        (VIDEO + "test_patches_are_the_mergers_order_and_an_odd_last_frame_is_repeated",),
+    ),
+    "video patches out of the merger's order": Mutant(
+        "encoder/vlm_video.py",
+        ").permute(0, 3, 6, 4, 7, 2, 1, 5, 8)",
+        ").permute(0, 3, 4, 6, 7, 2, 1, 5, 8)",
+        (VIDEO + "test_patches_are_the_mergers_order_and_an_odd_last_frame_is_repeated",),
+    ),
+    "a video's deepstack columns dropped": Mutant(
+        "encoder/vlm_video.py",
+        "            if vlm.family.deepstack:",
+        "            if False:",
+        (VIDEO + "test_rows_are_the_models_own_get_video_features[qwen3_vl-8x4x80x48]",),
+    ),
+    "Qwen2.5-VL's seconds per grid not sent": Mutant(
+        "encoder/vlm_video.py",
+        '_SECONDS_PER_GRID = frozenset({"qwen2_5_vl"})',
+        "_SECONDS_PER_GRID = frozenset()",
+        (VIDEO + "test_metadata_is_sglangs[qwen2_5_vl]",),
     ),
     "a tool's help section comes after the product's": Mutant(
         "declare.py",
