@@ -18,7 +18,7 @@ import torch
 import xxhash
 
 from trio_encode.arena import Segment
-from trio_encode.request_types import Grid, check_grids
+from trio_encode.request_types import IMAGES, Grid, Media, check_grids
 
 DTYPE_NAMES: dict[torch.dtype, str] = {  # the one table of embedding dtypes and their names
     torch.float32: "float32",
@@ -42,6 +42,8 @@ class Embedding:
     """Per image, the grid its model used (None for a fixed-grid model); empty: not reported."""
     lens: tuple[int, ...] | None = None
     """Rows of each image, in order (None: not reported, one image of every row)."""
+    media: Media = IMAGES
+    """Which modality the rows are, and the metadata beside them."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "grids", check_grids(self.grids))
@@ -94,7 +96,10 @@ class Embedding:
     def copy(self) -> Embedding:
         """A private copy in fresh memory (used when the original's memory cannot be shared)."""
         return Embedding(
-            self.tensor.clone(memory_format=torch.contiguous_format), self.grids, self.lens
+            self.tensor.clone(memory_format=torch.contiguous_format),
+            self.grids,
+            self.lens,
+            self.media,
         )
 
     def release(self) -> None:
@@ -112,6 +117,7 @@ class RowsEmbedding:
         grids: Sequence[Grid | None] = (),
         *,
         leases: Sequence[Segment] = (),
+        media: Media = IMAGES,
     ) -> None:
         if not rows:
             raise ValueError("an embedding needs at least one row tensor")
@@ -124,6 +130,8 @@ class RowsEmbedding:
         """Per image, the grid its model used (None for a fixed-grid model)."""
         self._leases = list(leases)
         """Arena segments some rows lie in, one lease each, given back by :meth:`release`."""
+        self.media = media
+        """Which modality the rows are, and the metadata beside them."""
 
     @property
     def segments(self) -> list[tuple[int, int]]:
@@ -171,7 +179,7 @@ class RowsEmbedding:
 
     def copy(self) -> Embedding:
         """The same bytes in one fresh tensor (outside the arena)."""
-        return Embedding(self.tensor, self.grids, self.image_lens)
+        return Embedding(self.tensor, self.grids, self.image_lens, self.media)
 
     def release(self) -> None:
         """Give back the arena leases of rows that lie in the arena, once (on the event loop,
@@ -188,14 +196,20 @@ class ArenaEmbedding(RowsEmbedding):
     every transfer that reads them)."""
 
     def __init__(
-        self, parts: Sequence[tuple[Segment, torch.Tensor]], grids: Sequence[Grid | None] = ()
+        self,
+        parts: Sequence[tuple[Segment, torch.Tensor]],
+        grids: Sequence[Grid | None] = (),
+        media: Media = IMAGES,
     ) -> None:
         for segment, view in parts:
             start = view.data_ptr() - segment.address
             if not 0 <= start <= segment.nbytes - view.numel() * view.element_size():
                 raise ValueError("a row must lie in its segment")
         super().__init__(
-            [view for _, view in parts], grids, leases=[segment for segment, _ in parts]
+            [view for _, view in parts],
+            grids,
+            leases=[segment for segment, _ in parts],
+            media=media,
         )
 
 

@@ -48,6 +48,25 @@ def check_grids(grids: Sequence[Grid | None]) -> tuple[Grid | None, ...]:
     return tuple(grids)
 
 
+MediaMeta = tuple[tuple[str, float | list[float] | list[list[float]]], ...]
+"""Metadata SGLang's prefill reads beside a part's rows, by name, in the order it is sent."""
+
+
+@dataclass(frozen=True)
+class Media:
+    """Which of SGLang's modalities a part's rows are, and what its prefill reads beside them
+    (a video part's ``video_timestamps`` or ``second_per_grid_ts``); its grids are the
+    modality's (``image_grid_thw``, ``video_grid_thw``)."""
+
+    modality: str = "IMAGE"
+    """SGLang's ``Modality`` member name: ``IMAGE`` or ``VIDEO``."""
+    meta: MediaMeta = ()
+
+
+IMAGES = Media()
+"""A part of images (no metadata beside the grids)."""
+
+
 class EmbeddingMemory(Protocol):
     """What a scope needs to know about an embedding: where its bytes lie, and its shape."""
 
@@ -84,6 +103,11 @@ class EmbeddingMemory(Protocol):
         ...
 
     @property
+    def media(self) -> Media:
+        """The part's modality and metadata."""
+        ...
+
+    @property
     def segments(self) -> Sequence[tuple[int, int]]:
         """``(address, length)`` of each piece, in the order a receiver gets them back to back;
         one piece for a contiguous embedding, one per image for arena segments."""
@@ -117,6 +141,8 @@ class EmbeddingShape:
     """Per image, the grid the model used (see :attr:`EmbeddingMemory.grids`)."""
     image_lens: tuple[int, ...] = ()
     """Rows of each image, in order (see :attr:`EmbeddingMemory.image_lens`)."""
+    media: Media = IMAGES
+    """The part's modality and metadata (see :class:`Media`)."""
 
 
 @dataclass(frozen=True)

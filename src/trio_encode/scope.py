@@ -309,6 +309,7 @@ class RequestScope:
                 embedding.checksum,
                 tuple(embedding.grids),
                 tuple(embedding.image_lens),
+                embedding.media,
             )
         except RequestError as exc:
             if isinstance(exc, InvalidInput):

@@ -107,6 +107,8 @@ class RankMessages:
                 grid_dim=grid_dim(shape.grids),
                 shape=(shape.rows, shape.dim),
                 dtype=shape.dtype,
+                modality=shape.media.modality,
+                meta=shape.media.meta,
             ).to_bytes()
         except ValueError as exc:
             raise CompletionFailed(
