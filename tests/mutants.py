@@ -38,6 +38,7 @@ EXPLORE = "tests/test_explore.py::"
 HELD = "tests/test_scope_held_memory.py::"
 STATE = "tests/test_request_state.py::"
 VIDEO = "tests/test_encoder_vlm_video.py::"
+PARTS = "tests/test_encoder_video_parts.py::"
 PAUSED = (
     "tests/test_scope_held_memory_mooncake.py::"
     "test_a_paused_rank_receives_its_own_bytes_when_it_resumes_never_the_next_requests"
@@ -357,8 +358,8 @@ MUTANTS: dict[str, Mutant] = {
     ),
     "rows sent as they lie give their arena leases back before the send": Mutant(
         "encoder/keeping.py",
-        "        embedding = RowsEmbedding(rows, grids, leases=held)",
-        "        embedding = RowsEmbedding(rows, grids)",
+        "        embedding = RowsEmbedding(rows, grids, leases=held, media=media)",
+        "        embedding = RowsEmbedding(rows, grids, media=media)",
         (
             "tests/test_encoder_arena.py::"
             "test_a_row_sent_as_it_lies_in_the_arena_keeps_its_segment_until_released",
@@ -751,6 +752,31 @@ MUTANTS: dict[str, Mutant] = {
         '_SECONDS_PER_GRID = frozenset({"qwen2_5_vl"})',
         "_SECONDS_PER_GRID = frozenset()",
         (VIDEO + "test_metadata_is_sglangs[qwen2_5_vl]",),
+    ),
+    "a video part served from kept rows, without its metadata": Mutant(
+        "encoder/front.py",
+        "        if not videos:  # videos are not kept",
+        "        if True:  # videos are not kept",
+        (PARTS + "test_a_part_of_videos_is_the_models_video_path_to_the_bit",),
+        also=(
+            (
+                "encoder/batcher.py",
+                "            if isinstance(job.image, PreparedVideo):  # not kept",
+                "            if False:  # not kept",
+            ),
+        ),
+    ),
+    "a video part's rank told it is an image": Mutant(
+        "service/messages.py",
+        "                modality=shape.media.modality,\n",
+        "",
+        (PARTS + "test_a_video_parts_rank_is_told_its_modality_grid_and_metadata",),
+    ),
+    "a video part's metadata not gathered": Mutant(
+        "encoder/keeping.py",
+        "    return tuple(meta)",
+        "    return ()",
+        (PARTS + "test_a_part_of_videos_is_the_models_video_path_to_the_bit",),
     ),
     "a tool's help section comes after the product's": Mutant(
         "declare.py",

@@ -29,7 +29,7 @@ from trio_encode.errors import (
     RequestReleased,
     ShuttingDown,
 )
-from trio_encode.request_types import SendReport
+from trio_encode.request_types import IMAGES, SendReport
 from trio_encode.service import EncodeService, ServiceSettings
 from trio_encode.testing.memory_engine import InMemoryFabric
 
@@ -144,12 +144,12 @@ class _SlowLoadEncoder(SeededEncoder):
         self.encode_error = encode_error
         self.encodes = 0
 
-    async def load_items(self, items: Sequence[str]) -> list[bytes]:
+    async def load_items(self, items: Sequence[str], modality: str = "IMAGE") -> list[bytes]:
         with trio.CancelScope(shield=True):
             await trio.sleep(1.0)
         return [item.encode() for item in items]
 
-    async def encode(self, images: Sequence[bytes]) -> Embedding:
+    async def encode(self, images: Sequence[bytes], modality: str = "IMAGE") -> Embedding:
         self.encodes += 1
         embedding = await super().encode(images)
         if self.encode_error is not None:
@@ -208,7 +208,7 @@ async def test_a_tombstone_keeps_no_exception_and_no_frame(
     payload_alive: list[weakref.ref[Payload]] = []
 
     class HoldingEncoder(_SlowLoadEncoder):
-        async def encode(self, images: Sequence[bytes]) -> Embedding:
+        async def encode(self, images: Sequence[bytes], modality: str = "IMAGE") -> Embedding:
             payload = Payload()  # a local of the failing frame, as the image bytes are
             payload_alive.append(weakref.ref(payload))
             raise EncodeFailed("the model failed")
@@ -275,6 +275,7 @@ async def test_an_unexpected_error_ends_only_its_own_request(
         segments = ((0, 0),)
         grids = (None,)
         image_lens = (0,)
+        media = IMAGES
 
         def copy(self) -> BrokenMemory:
             return self

@@ -37,7 +37,7 @@ class WatchedEncoder(SeededEncoder):
     def __init__(self) -> None:
         self.loaded: list[weakref.ref[Images]] = []
 
-    async def load_items(self, items: Sequence[str]) -> list[bytes]:
+    async def load_items(self, items: Sequence[str], modality: str = "IMAGE") -> list[bytes]:
         await trio.sleep(0.1)
         if "bad" in items:
             raise InvalidInput("mm_items[0]: not an image")

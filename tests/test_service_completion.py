@@ -57,14 +57,14 @@ class Encoder(SeededEncoder):
     def __init__(self, latency: float = 1.0) -> None:
         self.latency = latency
 
-    async def load_items(self, items: Sequence[str]) -> list[bytes]:
+    async def load_items(self, items: Sequence[str], modality: str = "IMAGE") -> list[bytes]:
         if len(items) > 4:
             raise InvalidInput(f"{len(items)} items, more than the 4 this server queues")
         if any(not item.startswith(("img:", "fail:", "bad:", "slow:")) for item in items):
             raise InvalidInput("not an image")
         return [item.encode() for item in items]
 
-    async def encode(self, images: Sequence[bytes]) -> Embedding:
+    async def encode(self, images: Sequence[bytes], modality: str = "IMAGE") -> Embedding:
         slow = any(image.startswith(b"slow:") for image in images)
         await trio.sleep(1000.0 if slow else self.latency)
         if any(image.startswith(b"fail:") for image in images):

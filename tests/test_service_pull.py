@@ -36,12 +36,12 @@ class ScriptedEncoder(SeededEncoder):
     """No threads; ``img:`` items encode in 1 s of virtual time, ``fail:`` ones raise and
     ``slow:`` ones take 1000 s."""
 
-    async def load_items(self, items: Sequence[str]) -> list[bytes]:
+    async def load_items(self, items: Sequence[str], modality: str = "IMAGE") -> list[bytes]:
         if any(not item.startswith(("img:", "fail:", "slow:")) for item in items):
             raise InvalidInput("not an image")
         return [item.encode() for item in items]
 
-    async def encode(self, images: Sequence[bytes]) -> Embedding:
+    async def encode(self, images: Sequence[bytes], modality: str = "IMAGE") -> Embedding:
         await trio.sleep(1000.0 if any(i.startswith(b"slow:") for i in images) else 1.0)
         if any(image.startswith(b"fail:") for image in images):
             raise RuntimeError("the vision tower raised")

@@ -122,7 +122,7 @@ class WatchedSeededEncoder(SeededEncoder):
     def __init__(self) -> None:
         self.embeddings: list[weakref.ref[Embedding]] = []
 
-    async def encode(self, images: Sequence[bytes]) -> Embedding:
+    async def encode(self, images: Sequence[bytes], modality: str = "IMAGE") -> Embedding:
         embedding = await super().encode(images)
         self.embeddings.append(weakref.ref(embedding))
         return embedding

@@ -95,12 +95,12 @@ class SeededEncoder:
     ready = True
     arena = None
 
-    async def load_items(self, items: Sequence[str]) -> list[bytes]:
+    async def load_items(self, items: Sequence[str], modality: str = "IMAGE") -> list[bytes]:
         if any(not item.startswith("img:") for item in items):
             raise InvalidInput("not an image")
         return [item.encode() for item in items]
 
-    async def encode(self, images: Sequence[bytes]) -> Embedding:
+    async def encode(self, images: Sequence[bytes], modality: str = "IMAGE") -> Embedding:
         await trio.sleep(1.0)
         return make_embedding(len(b"".join(images)))
 

@@ -45,6 +45,8 @@ from trio_encode.encoder.cache import CacheKey
 from trio_encode.encoder.keeping import EmbeddingKeeper, Kept, ThreadRunner, release_segments
 from trio_encode.encoder.observer import EncoderObserver
 from trio_encode.encoder.settings import EncoderSettings
+from trio_encode.encoder.video import decode_video
+from trio_encode.encoder.vlm_video import PreparedVideo, VideoPath
 from trio_encode.errors import (
     EncodeFailed,
     InvalidInput,
@@ -124,8 +126,11 @@ class Batcher:
         keeper: EmbeddingKeeper,
         in_worker_thread: ThreadRunner,
         run_forward: ThreadRunner | None = None,
+        video: VideoPath | None = None,
     ) -> None:
         self.model = model
+        self.video = video
+        """The model's video path (None: the model encodes images only)."""
         self.settings = settings
         self.observer = observer
         self.keeper = keeper
@@ -171,12 +176,15 @@ class Batcher:
         keys: Sequence[CacheKey],
         missing: Sequence[int],
         rows: list[Kept | None],
+        *,
+        videos: bool = False,
     ) -> None:
         """Fill ``rows[i]`` for each of ``missing`` with ``items[i]``'s row (one lease each on
         a segment, the caller's to give back): joining the job of an image already queued or
-        in a forward, queueing one for each other image. Raises :class:`Overloaded` when the
-        queue has no room for the new images, :class:`InvalidInput` when one cannot be
-        decoded, or what the forward failed with."""
+        in a forward, queueing one for each other image. ``videos``: the items are videos
+        (the model must have a video path). Raises :class:`Overloaded` when the queue has no
+        room for the new items, :class:`InvalidInput` when one cannot be decoded, or what the
+        forward failed with."""
         shared = [i for i in missing if keys[i] in self._in_flight]
         own = [i for i in missing if keys[i] not in self._in_flight]
         to_decode: dict[CacheKey, int] = {}  # one index per new image; duplicates share it
@@ -195,7 +203,7 @@ class Batcher:
             for index in shared:
                 _wait_for(self._in_flight[keys[index]], request, index)
             if to_decode:
-                prepared = await self._decode(items, list(to_decode.values()))
+                prepared = await self._decode(items, list(to_decode.values()), videos)
                 room = await self.keeper.reserve([image.tokens for image in prepared])
                 try:
                     # A caller cancelled while its decode thread ran learns that first; only a
@@ -216,7 +224,9 @@ class Batcher:
         if request.error is not None:
             raise request.error
 
-    async def _decode(self, items: Sequence[bytes], indices: list[int]) -> list[Prepared]:
+    async def _decode(
+        self, items: Sequence[bytes], indices: list[int], videos: bool = False
+    ) -> list[Prepared]:
         """``items[i]`` prepared for the model, for each of ``indices``, decoded in a worker
         thread while their places in the queue are held, so concurrent admissions count them."""
         self._reserved += len(indices)
@@ -225,15 +235,18 @@ class Batcher:
             # served, so concurrent requests take turns image by image and a request of many
             # large images cannot hold the threads while another's single image waits.
             return [
-                await self.in_worker_thread(partial(self._decode_one, items[index], index))
+                await self.in_worker_thread(partial(self._decode_one, items[index], index, videos))
                 for index in indices
             ]
         finally:
             self._reserved -= len(indices)
 
-    def _decode_one(self, data: bytes, index: int) -> Prepared:
-        """In a worker thread: one image prepared for the model."""
+    def _decode_one(self, data: bytes, index: int, video: bool = False) -> Prepared:
+        """In a worker thread: one image (or video) prepared for the model."""
         try:
+            if video:
+                assert self.video is not None  # the front admits videos only with a path
+                return self.video.prepare(decode_video(data, self.video.sampling))
             return self.model.decode(data, max_pixels=self.settings.max_image_pixels)
         except InvalidInput as exc:
             raise InvalidInput(f"mm_items[{index}]: {exc.message}") from None
@@ -382,8 +395,11 @@ class Batcher:
         self.observer.batch_finished(len(batch), seconds, ok=True)
         for job, row, segment, checksum in zip(batch, rows, targets, checksums, strict=True):
             self._forget(job)
-            kept = Kept(row, job.image.grid, checksum, segment)
-            self.keeper.keep(job.key, kept)
+            if isinstance(job.image, PreparedVideo):  # not kept: a hit would lack its metadata
+                kept = Kept(row, job.image.grid, checksum, segment, job.image.meta)
+            else:
+                kept = Kept(row, job.image.grid, checksum, segment)
+                self.keeper.keep(job.key, kept)
             job.deliver(kept)
         release_segments(targets)  # the forward's own leases; the waiters hold theirs
         self.keeper.report_size()
@@ -408,7 +424,7 @@ class Batcher:
         start = time.perf_counter()
         model, keeper = self.model, self.keeper
         with torch.inference_mode():
-            outs = model.encode(images)
+            outs = self._encode(images)
             if len(outs) != len(images):
                 raise RuntimeError(f"the model returned {len(outs)} embeddings for {len(images)}")
             for out, image in zip(outs, images, strict=True):
@@ -442,6 +458,25 @@ class Batcher:
                 else:
                     checksums.append(None)
         return rows, checksums, time.perf_counter() - start
+
+    def _encode(self, items: list[Prepared]) -> list[torch.Tensor]:
+        """The model's rows for each item, in order: its images in one forward of the image
+        path, its videos in one of the video path."""
+        videos = [index for index, item in enumerate(items) if isinstance(item, PreparedVideo)]
+        if not videos:
+            return self.model.encode(items)
+        assert self.video is not None
+        images = [index for index, item in enumerate(items) if not isinstance(item, PreparedVideo)]
+        outs: list[torch.Tensor | None] = [None] * len(items)
+        clips = [item for item in items if isinstance(item, PreparedVideo)]
+        for index, out in zip(videos, self.video.features(clips), strict=True):
+            outs[index] = out
+        if images:
+            for index, out in zip(
+                images, self.model.encode([items[i] for i in images]), strict=True
+            ):
+                outs[index] = out
+        return [out for out in outs if out is not None]
 
     async def _forward_in_thread(self, fn: Callable[[], T]) -> T:
         return await trio.to_thread.run_sync(fn, limiter=self._forward_limiter)

@@ -26,11 +26,20 @@ from trio_encode.encoder.batcher import Batcher
 from trio_encode.encoder.cache import CacheKey, EmbeddingCache, content_key
 from trio_encode.encoder.fetch import FetchPolicy, RemoteFetcher, is_remote
 from trio_encode.encoder.images import ImageTooBig, image_pixels, load_item
-from trio_encode.encoder.keeping import EmbeddingKeeper, ThreadRunner, release, worker_threads
+from trio_encode.encoder.keeping import (
+    EmbeddingKeeper,
+    Kept,
+    ThreadRunner,
+    release,
+    worker_threads,
+)
 from trio_encode.encoder.loader import load_backend
 from trio_encode.encoder.observer import EncoderObserver, NullEncoderObserver
 from trio_encode.encoder.settings import EncoderSettings
 from trio_encode.encoder.store import EmbeddingStore
+from trio_encode.encoder.video import VIDEO_ITEMS, FrameSampling
+from trio_encode.encoder.vlm import VLMVisionModel
+from trio_encode.encoder.vlm_video import VideoPath
 from trio_encode.errors import InvalidInput
 
 
@@ -70,6 +79,7 @@ class ImageEncoder:
         run_forward: ThreadRunner | None = None,
         store: EmbeddingStore | None = None,
         arena: Arena | None = None,
+        video: VideoPath | None = None,
     ) -> None:
         self.backend = backend
         """The model as given."""
@@ -124,8 +134,20 @@ class ImageEncoder:
             keeper=self.keeper,
             in_worker_thread=self.in_worker_thread,
             run_forward=run_forward,
+            video=video,
         )
         """Queues the images no forward is computing yet and runs them in batches."""
+        self.modalities = frozenset({"IMAGE", "VIDEO"} if video is not None else {"IMAGE"})
+        """SGLang's modalities this encoder serves (``VIDEO`` with a model's video path)."""
+        self._video_key = (
+            ""
+            if video is None
+            else (
+                f"|video:{video.sampling.fps},{video.sampling.min_frames},"
+                f"{video.sampling.max_frames}"
+            )
+        )
+        """Part of a video's cache key: the same bytes sampled otherwise are other rows."""
 
     @classmethod
     def from_settings(
@@ -143,7 +165,14 @@ class ImageEncoder:
         behind a listening port makes it first, so that it is registered at start.
         """
         arena = arena if arena is not None else arena_for(settings)
-        return cls(load_backend(settings), settings, observer=observer, store=store, arena=arena)
+        backend = load_backend(settings)
+        video = None
+        if isinstance(backend, VLMVisionModel) and settings.model is not None:
+            sampling = FrameSampling(
+                settings.video_fps, settings.video_min_frames, settings.video_max_frames
+            )
+            video = VideoPath.for_model(backend, settings.model, sampling)
+        return cls(backend, settings, observer=observer, store=store, arena=arena, video=video)
 
     @property
     def ready(self) -> bool:
@@ -178,16 +207,20 @@ class ImageEncoder:
 
     # -- per request -------------------------------------------------------------------------
 
-    async def load_items(self, items: Sequence[str]) -> list[bytes]:
+    async def load_items(self, items: Sequence[str], modality: str = "IMAGE") -> list[bytes]:
         """The encoded bytes of each ``mm_items`` entry, without decoding pixels. ``http(s)``
         items are fetched (under the fetch rules), the rest loaded off the event loop (base64
         of MBs, file reads). Raises :class:`InvalidInput` naming the entry.
 
-        Every per-request limit is checked before the work it bounds: the image count before
+        Every per-request limit is checked before the work it bounds: the item count before
         anything is loaded; the bytes as each item is read or fetched (an item only gets what
-        is left of ``max_request_bytes``); the pixels from each header, before any decode.
+        is left of ``max_request_bytes``); an image's pixels from its header, before any
+        decode (a video's limits are checked from its container's header when it is decoded).
         An entry repeated in one request is loaded once."""
+        self._check_modality(modality)
         self._check_image_count(len(items))
+        if modality == "VIDEO":
+            return await self._load_videos(items)
         limits = self.settings
         first: dict[str, int] = {}
         for index, item in enumerate(items):
@@ -220,6 +253,40 @@ class ImageEncoder:
             loaded[item] = data
         return [loaded[item] for item in items]
 
+    async def _load_videos(self, items: Sequence[str]) -> list[bytes]:
+        """Each video's bytes, within what is left of ``max_request_bytes`` (a fetched one
+        also within the fetch rules' bytes)."""
+        loaded: dict[str, bytes] = {}
+        bytes_left = self.settings.max_request_bytes
+        for index, item in enumerate(items):
+            if item in loaded:
+                continue
+            try:
+                if is_remote(item):
+                    data = await self._fetcher.fetch(item, max_bytes=bytes_left)
+                else:
+                    data = await self.in_worker_thread(
+                        partial(
+                            load_item,
+                            item,
+                            max_bytes=bytes_left,
+                            media_dir=self.settings.media_dir,
+                            kind=VIDEO_ITEMS,
+                        )
+                    )
+            except InvalidInput as exc:  # too big: the message names what was left
+                raise InvalidInput(f"mm_items[{index}]: {exc.message}") from None
+            bytes_left -= len(data)
+            loaded[item] = data
+        return [loaded[item] for item in items]
+
+    def _check_modality(self, modality: str) -> None:
+        if modality not in self.modalities:
+            served = ", ".join(sorted(self.modalities))
+            raise InvalidInput(
+                f"modality {modality!r} is not served by this model (it serves {served})"
+            )
+
     def _load_local(self, item: str, max_bytes: int) -> tuple[bytes, int]:
         """In a worker thread: a local item's bytes and its pixel count (from its header)."""
         data = load_item(item, max_bytes=max_bytes, media_dir=self.settings.media_dir)
@@ -228,7 +295,9 @@ class ImageEncoder:
     def _pixels(self, data: bytes) -> int:
         return image_pixels(data, max_pixels=self.settings.max_image_pixels)
 
-    async def encode(self, items: Sequence[bytes]) -> Embedding | RowsEmbedding:
+    async def encode(
+        self, items: Sequence[bytes], modality: str = "IMAGE"
+    ) -> Embedding | RowsEmbedding:
         """The embedding of a request's images: ``(images * tokens, hidden)`` rows in order.
 
         Each image is looked up where embeddings are kept (locally, then in the store); only
@@ -239,16 +308,21 @@ class ImageEncoder:
         """
         if not self.batcher.running:
             raise self.batcher.refusal()
+        self._check_modality(modality)
         self._check_image_count(len(items))
-        keys = await self.in_worker_thread(partial(content_keys, self.model.model_id, items))
-        rows = await self.keeper.find(keys, self.batcher.in_flight)
+        videos = modality == "VIDEO"
+        model_id = self.model.model_id + (self._video_key if videos else "")
+        keys = await self.in_worker_thread(partial(content_keys, model_id, items))
+        rows: list[Kept | None] = [None] * len(items)
+        if not videos:  # videos are not kept: a kept row would come back without its metadata
+            rows = await self.keeper.find(keys, self.batcher.in_flight)
         handed_over = False
         try:
             missing = [index for index, kept in enumerate(rows) if kept is None]
             if missing:
-                await self.batcher.encode(items, keys, missing, rows)
+                await self.batcher.encode(items, keys, missing, rows, videos=videos)
             found = [kept for kept in rows if kept is not None]
-            embedding = await self.keeper.embedding(found)
+            embedding = await self.keeper.embedding(found, modality)
             handed_over = True  # the arena leases of the rows that lie there are its now
             return embedding
         finally:

@@ -43,6 +43,25 @@ _FILE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp"}
 _FORMATS = tuple(dict.fromkeys(_DATA_URI_TYPES.values()))
 _FORMAT_NAMES = "PNG, JPEG, WebP, GIF or BMP"
 
+
+@dataclass(frozen=True)
+class MediaKind:
+    """What a modality's ``mm_items`` entries may be: the media types a data URI may carry and
+    the suffixes a file may end in (the decoder checks the bytes themselves)."""
+
+    noun: str
+    types: frozenset[str]
+    suffixes: frozenset[str]
+    names: str
+    """The formats, for messages."""
+    example: str
+    """A media type to show in messages."""
+
+
+IMAGE_ITEMS = MediaKind(
+    "image", frozenset(_DATA_URI_TYPES), frozenset(_FILE_SUFFIXES), _FORMAT_NAMES, "image/png"
+)
+
 DECODE_BUDGET_S = 5.0
 """CPU seconds one image's decode may take (header and pixels). A 40 MP PNG or progressive
 JPEG (the default pixel limit) took 0.7 s where these were measured, a JPEG at the scan
@@ -78,56 +97,62 @@ class Preprocess:
     prepare: Callable[[Image.Image], torch.Tensor] | None = None
 
 
-def load_item(item: str, *, max_bytes: int, media_dir: Path | None = None) -> bytes:
-    """The encoded bytes of one ``mm_items`` entry: an image data URI, or a file path that
-    lies inside ``media_dir`` (paths are refused when no ``media_dir`` is configured)."""
+def load_item(
+    item: str, *, max_bytes: int, media_dir: Path | None = None, kind: MediaKind = IMAGE_ITEMS
+) -> bytes:
+    """The encoded bytes of one ``mm_items`` entry: a data URI of ``kind``, or a file path
+    that lies inside ``media_dir`` (paths are refused when no ``media_dir`` is configured)."""
     if item.startswith("data:"):
-        return _from_data_uri(item, max_bytes)
+        return _from_data_uri(item, max_bytes, kind)
     if media_dir is None:
         raise InvalidInput(
-            "mm_items entries must be data:image/...;base64,... URIs of a "
-            f"{_FORMAT_NAMES} image (this server has no media directory, so file paths are "
+            f"mm_items entries must be data:{kind.noun}/...;base64,... URIs of a "
+            f"{kind.names} {kind.noun} (this server has no media directory, so file paths are "
             "not accepted)"
         )
-    return _from_media_dir(item, media_dir, max_bytes)
+    return _from_media_dir(item, media_dir, max_bytes, kind)
 
 
-def _from_data_uri(item: str, max_bytes: int) -> bytes:
+def _from_data_uri(item: str, max_bytes: int, kind: MediaKind) -> bytes:
     header, comma, payload = item.partition(",")
     if not comma:
         raise InvalidInput("malformed data URI: no ',' between the header and the data")
     media_type, _, encoding = header.removeprefix("data:").partition(";")
     media_type = media_type.strip().lower()
-    if media_type not in _DATA_URI_TYPES:
-        supported = ", ".join(sorted(_DATA_URI_TYPES))
+    noun = kind.noun
+    if media_type not in kind.types:
+        supported = ", ".join(sorted(kind.types))
         raise InvalidInput(
-            f"unsupported image type {media_type or '(none)'!r}: send one of {supported}"
+            f"unsupported {noun} type {media_type or '(none)'!r}: send one of {supported}"
         )
     if encoding.strip().lower() != "base64":
-        raise InvalidInput("image data URIs must be base64-encoded (data:image/png;base64,...)")
+        raise InvalidInput(
+            f"{noun} data URIs must be base64-encoded (data:{kind.example};base64,...)"
+        )
     # Refuse before decoding: base64 grows data by 4/3, so this bounds the decoded size.
     if len(payload) // 4 * 3 > max_bytes + 3:
-        raise ImageTooBig(_too_big(len(payload) // 4 * 3, max_bytes))
+        raise ImageTooBig(_too_big(len(payload) // 4 * 3, max_bytes, noun=noun))
     try:
         data = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as exc:
-        raise InvalidInput(f"the image data is not valid base64: {exc}") from None
+        raise InvalidInput(f"the {noun} data is not valid base64: {exc}") from None
     if len(data) > max_bytes:
-        raise ImageTooBig(_too_big(len(data), max_bytes))
+        raise ImageTooBig(_too_big(len(data), max_bytes, noun=noun))
     if not data:
-        raise InvalidInput("the image data URI is empty")
+        raise InvalidInput(f"the {noun} data URI is empty")
     return data
 
 
-def _from_media_dir(item: str, media_dir: Path, max_bytes: int) -> bytes:
+def _from_media_dir(item: str, media_dir: Path, max_bytes: int, kind: MediaKind) -> bytes:
     # Missing, outside the directory, unreadable or not a file: one message for all, so a
     # client cannot learn which paths exist on the host (``/etc/shadow`` versus a typo).
+    noun = kind.noun
     unusable = InvalidInput(
-        f"no readable image file {item!r} in the media directory (paths are relative to it)"
+        f"no readable {noun} file {item!r} in the media directory (paths are relative to it)"
     )
-    if Path(item).suffix.lower() not in _FILE_SUFFIXES:  # before the disk is looked at
-        suffixes = ", ".join(sorted(_FILE_SUFFIXES))
-        raise InvalidInput(f"image file {item!r} must end in one of {suffixes}")
+    if Path(item).suffix.lower() not in kind.suffixes:  # before the disk is looked at
+        suffixes = ", ".join(sorted(kind.suffixes))
+        raise InvalidInput(f"{noun} file {item!r} must end in one of {suffixes}")
     root = media_dir.resolve()
     try:
         path = (root / item.removeprefix("file://")).resolve(strict=True)
@@ -135,7 +160,7 @@ def _from_media_dir(item: str, media_dir: Path, max_bytes: int) -> bytes:
         raise unusable from None
     if not path.is_relative_to(root) or not path.is_file():
         raise unusable
-    if path.suffix.lower() not in _FILE_SUFFIXES:  # a link inside to a file of another kind
+    if path.suffix.lower() not in kind.suffixes:  # a link inside to a file of another kind
         raise unusable
     try:
         with path.open("rb") as file:
@@ -143,13 +168,13 @@ def _from_media_dir(item: str, media_dir: Path, max_bytes: int) -> bytes:
     except OSError:
         raise unusable from None
     if len(data) > max_bytes:
-        raise ImageTooBig(_too_big(len(data), max_bytes, at_least=True))
+        raise ImageTooBig(_too_big(len(data), max_bytes, at_least=True, noun=noun))
     return data
 
 
-def _too_big(size: int, max_bytes: int, *, at_least: bool = False) -> str:
+def _too_big(size: int, max_bytes: int, *, at_least: bool = False, noun: str = "image") -> str:
     more = "more than " if at_least else ""
-    return f"image is {more}{size} bytes; the limit is {max_bytes} bytes per image"
+    return f"{noun} is {more}{size} bytes; the limit is {max_bytes} bytes per {noun}"
 
 
 def decode_image(

@@ -25,7 +25,7 @@ import logging
 from collections.abc import Awaitable, Callable, Container, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 import trio
@@ -36,7 +36,7 @@ from trio_encode.encoder.backend import VisionModel
 from trio_encode.encoder.cache import CacheKey, EmbeddingCache
 from trio_encode.encoder.observer import EncoderObserver
 from trio_encode.encoder.store import EmbeddingStore, store_key
-from trio_encode.request_types import Grid
+from trio_encode.request_types import IMAGES, Grid, Media, MediaMeta
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,9 @@ class Kept:
     row, so none was computed)."""
     segment: Segment | None = None
     """The arena segment the row lies in. Whoever holds this record holds one lease on it."""
+    meta: tuple[tuple[str, float | list[float]], ...] = ()
+    """What SGLang's prefill reads beside a video's row (its timestamps or seconds per
+    grid), by name; empty for an image."""
 
 
 def release(kept: Iterable[Kept | None]) -> None:
@@ -432,7 +435,9 @@ class EmbeddingKeeper:
 
     # -- the request's embedding ---------------------------------------------------------------
 
-    async def embedding(self, rows: Sequence[Kept]) -> Embedding | RowsEmbedding:
+    async def embedding(
+        self, rows: Sequence[Kept], modality: str = "IMAGE"
+    ) -> Embedding | RowsEmbedding:
         """The request's embedding of its images' rows, its checksum computed in a worker
         thread. It takes over the rows' segment leases once it is returned (the caller gives
         them back if this raises). A request whose every row lies in the arena is sent from
@@ -440,14 +445,27 @@ class EmbeddingKeeper:
         as the arena's fallback."""
         segments = [kept.segment for kept in rows]
         grids = [kept.grid for kept in rows]
+        media = IMAGES if modality == "IMAGE" else Media(modality, _part_meta(rows))
         if self.arena is not None and all(segment is not None for segment in segments):
             parts = [(kept.segment, kept.row) for kept in rows if kept.segment is not None]
-            return await self.in_worker_thread(partial(_checksummed, ArenaEmbedding(parts, grids)))
+            embedding = ArenaEmbedding(parts, grids, media)
+            return await self.in_worker_thread(partial(_checksummed, embedding))
         if self.arena is not None:
             self.arena.fallbacks += 1
         return await self.in_worker_thread(
-            partial(_assemble, [kept.row for kept in rows], grids, segments)
+            partial(_assemble, [kept.row for kept in rows], grids, segments, media)
         )
+
+
+def _part_meta(rows: Sequence[Kept]) -> MediaMeta:
+    """A part's metadata: for each name its items carry, the list of their values in order
+    (SGLang's prefill chains such lists across a request's parts)."""
+    names = list(dict.fromkeys(name for kept in rows for name, _ in kept.meta))
+    values = [dict(kept.meta) for kept in rows]
+    meta: list[tuple[str, Any]] = [
+        (name, [value[name] for value in values if name in value]) for name in names
+    ]
+    return tuple(meta)
 
 
 def worker_threads(count: int) -> ThreadRunner:
@@ -498,7 +516,10 @@ def _checksummed(embedding: ArenaEmbedding) -> ArenaEmbedding:
 
 
 def _assemble(
-    rows: list[torch.Tensor], grids: Sequence[Grid | None], segments: Sequence[Segment | None]
+    rows: list[torch.Tensor],
+    grids: Sequence[Grid | None],
+    segments: Sequence[Segment | None],
+    media: Media = IMAGES,
 ) -> Embedding | RowsEmbedding:
     """In a worker thread: the request's rows as one embedding, never concatenated (each row
     is sent as it lies, so a request naming one cached image many times copies nothing), its
@@ -507,9 +528,9 @@ def _assemble(
     held = [segment for segment in segments if segment is not None]
     if len(rows) == 1 and not held:
         embedding: Embedding | RowsEmbedding = Embedding(
-            rows[0], tuple(grids), (int(rows[0].shape[0]),)
+            rows[0], tuple(grids), (int(rows[0].shape[0]),), media
         )
     else:
-        embedding = RowsEmbedding(rows, grids, leases=held)
+        embedding = RowsEmbedding(rows, grids, leases=held, media=media)
     embedding.checksum  # noqa: B018 - computed here, remembered by the embedding
     return embedding

@@ -68,6 +68,9 @@ Networks = Annotated[
 ]
 
 
+VIDEO_FPS, VIDEO_MIN_FRAMES, VIDEO_MAX_FRAMES = 2.0, 4, 768
+"""SGLang's encoder's defaults for sampling a video's frames."""
+
 model_setting = in_group("model")
 batching_setting = in_group("batching")
 cache_setting = in_group("cache")
@@ -121,6 +124,14 @@ class EncoderSettings:
     feature_layer: int = model_setting(-1)
     """With a CLIP/SigLIP tower as model: hidden layer whose states are returned (-1 the last). A
     VLM's config names its own."""
+    video_fps: float = model_setting(VIDEO_FPS, gt=0)
+    """Video frames taken per second of video, for a model with a video path (SGLang's video
+    fps: set it equal to the SGLang deployment's)."""
+    video_min_frames: int = model_setting(VIDEO_MIN_FRAMES, gt=0)
+    """At least this many frames of a video (rounded up to a whole temporal patch), if it has
+    them (SGLang's min_frames)."""
+    video_max_frames: int = model_setting(VIDEO_MAX_FRAMES, gt=0)
+    """At most this many frames of a video (SGLang's max_frames)."""
 
     # Batching.
     max_batch_size: int = batching_setting(8, gt=0)

@@ -37,6 +37,8 @@ import av.video.stream
 import numpy as np
 import numpy.typing as npt
 
+from trio_encode.encoder.images import MediaKind
+from trio_encode.encoder.settings import VIDEO_FPS, VIDEO_MAX_FRAMES, VIDEO_MIN_FRAMES
 from trio_encode.errors import InvalidInput
 
 FRAME_FACTOR = 2
@@ -48,11 +50,11 @@ class FrameSampling:
     """How many frames of a video go to the model: SGLang's settings and defaults (its encode
     server's ``vision_config.video``: ``fps``, ``min_frames``, ``max_frames``)."""
 
-    fps: float = 2.0
+    fps: float = VIDEO_FPS
     """Frames taken per second of video."""
-    min_frames: int = 4
+    min_frames: int = VIDEO_MIN_FRAMES
     """At least this many (rounded up to :data:`FRAME_FACTOR`), if the video has them."""
-    max_frames: int = 768
+    max_frames: int = VIDEO_MAX_FRAMES
     """At most this many (rounded down to :data:`FRAME_FACTOR`)."""
 
 
@@ -114,6 +116,14 @@ _MP4_BOXES = (b"ftyp", b"moov", b"mdat", b"free", b"skip", b"wide", b"pnot")
 _MATROSKA_MAGIC = b"\x1a\x45\xdf\xa3"
 _TS_PACKET = 188
 CONTAINER_NAMES = "MP4/MOV, WebM/Matroska or MPEG-TS"
+VIDEO_ITEMS = MediaKind(
+    "video",
+    frozenset({"video/mp4", "video/quicktime", "video/webm", "video/x-matroska", "video/mp2t"}),
+    frozenset({".mp4", ".m4v", ".mov", ".webm", ".mkv", ".ts"}),
+    CONTAINER_NAMES,
+    "video/mp4",
+)
+"""What a video ``mm_items`` entry may be (the container is checked from its bytes)."""
 
 _SEEKABLE = frozenset({"mov", "matroska"})
 """Containers with an index to seek by; MPEG-TS is decoded from the start."""

@@ -364,6 +364,16 @@ class PreparedVideo(Prepared):
     video_timestamps: tuple[float, ...] | None = None
     """Seconds of each temporal patch (Qwen3-VL and after), else None."""
 
+    @property
+    def meta(self) -> tuple[tuple[str, float | list[float]], ...]:
+        """What the model's family sends SGLang's prefill beside the rows, by name."""
+        meta: list[tuple[str, float | list[float]]] = []
+        if self.video_timestamps is not None:
+            meta.append(("video_timestamps", list(self.video_timestamps)))
+        if self.second_per_grid_ts is not None:
+            meta.append(("second_per_grid_ts", self.second_per_grid_ts))
+        return tuple(meta)
+
 
 class VideoPath:
     """A Qwen-VL model's video path: SGLang's frame resize and the model's own video

@@ -458,6 +458,7 @@ def create_app(service: EncodeService, metrics: Metrics, settings: ServerSetting
             part=part,
             prefill_host=body.prefill_host,
             client=request.remote_addr or "unknown",
+            modality=body.items_are,
         )
         return jsonify(encode_answer(body, report))
 

@@ -63,11 +63,11 @@ class LoadingEncoder:
             raise NotReady("not ready: the model is still loading")
         return self._encoder
 
-    async def load_items(self, items: Sequence[str]) -> list[bytes]:
-        return await self._loaded().load_items(items)
+    async def load_items(self, items: Sequence[str], modality: str = "IMAGE") -> list[bytes]:
+        return await self._loaded().load_items(items, modality)
 
-    async def encode(self, images: Sequence[bytes]) -> EmbeddingMemory:
-        return await self._loaded().encode(images)
+    async def encode(self, images: Sequence[bytes], modality: str = "IMAGE") -> EmbeddingMemory:
+        return await self._loaded().encode(images, modality)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Start at once; once allowed, load the model, then run the loaded encoder until

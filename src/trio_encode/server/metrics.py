@@ -465,8 +465,8 @@ class _TimedEncoder(PassThroughEncoder):
         super().__init__(inner)
         self._histogram = histogram
 
-    async def encode(self, images: Sequence[bytes]) -> EmbeddingMemory:
+    async def encode(self, images: Sequence[bytes], modality: str = "IMAGE") -> EmbeddingMemory:
         started = trio.current_time()
-        embedding = await self._inner.encode(images)
+        embedding = await self._inner.encode(images, modality)
         self._histogram.observe(trio.current_time() - started)
         return embedding

@@ -60,8 +60,9 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
 
-IMAGE_MODALITIES = ("IMAGE", "MULTI_IMAGES")
-"""SGLang's modality names for images (matched case-insensitively); the only ones served."""
+MODALITIES = {"IMAGE": "IMAGE", "MULTI_IMAGES": "IMAGE", "VIDEO": "VIDEO"}
+"""SGLang's modality names served (matched case-insensitively), and what each item is: a
+``VIDEO`` part needs a model with a video path (the encoder says so otherwise)."""
 
 
 class MediaItem(_Body):
@@ -96,13 +97,18 @@ class EncodeRequest(_Body):
 
     @field_validator("modality")
     @classmethod
-    def _only_images(cls, value: str) -> str:
-        if value.upper() not in IMAGE_MODALITIES:
-            supported = ", ".join(IMAGE_MODALITIES)
+    def _served(cls, value: str) -> str:
+        if value.upper() not in MODALITIES:
+            supported = ", ".join(MODALITIES)
             raise ValueError(
-                f"modality {clip(value)} is not supported: this server encodes images ({supported})"
+                f"modality {clip(value)} is not supported: this server encodes {supported}"
             )
         return value.upper()
+
+    @property
+    def items_are(self) -> str:
+        """What the items are: ``IMAGE`` or ``VIDEO``."""
+        return MODALITIES[self.modality]
 
     @model_validator(mode="after")
     def _part_in_range(self) -> EncodeRequest:

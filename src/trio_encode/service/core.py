@@ -178,8 +178,12 @@ class EncodeService:
         part: Part | None = None,
         prefill_host: str | None = None,
         client: str | None = None,
+        modality: str = "IMAGE",
     ) -> EncodeReport:
         """Run the encoder once for ``req_id``; siblings share the run and its answer.
+
+        ``modality``: SGLang's name of what ``mm_items`` are (``IMAGE`` or ``VIDEO``: one
+        part holds one modality).
 
         ``part``: where the request sits among its prefill request's parts, and the prefill
         ranks to tell if the encode fails (at most ``MAX_ENDPOINTS`` per request over all
@@ -196,7 +200,7 @@ class EncodeService:
             admit(req_id, self.registry, self.settings)
             # Check the input before a scope exists: bad input must leave nothing behind.
             try:
-                images = await self.encoder.load_items(mm_items)
+                items = await self.encoder.load_items(mm_items, modality)
             except InvalidInput as exc:
                 # Pulls already waiting for this id learn why now, not at their timeout.
                 self.arrivals.announce(req_id, error=exc)
@@ -210,7 +214,7 @@ class EncodeService:
                 if not self.settings.receivers_match_prefill_host:
                     prefill_host = None
                 opening = RequestRecord(req_id, part, named, prefill_host=prefill_host)
-                encode = partial(self.encoder.encode, images)
+                encode = partial(self.encoder.encode, items, modality)
                 return await self._open(opening, receive_count, encode)
             scope = self.registry.require_live(req_id)  # a sibling opened it meanwhile
         record = self.requests.live(req_id)

@@ -24,12 +24,12 @@ class Encoder(Protocol):
         registration only."""
         ...
 
-    async def load_items(self, items: Sequence[str]) -> list[bytes]:
+    async def load_items(self, items: Sequence[str], modality: str = "IMAGE") -> list[bytes]:
         """Check and load ``mm_items`` (at least one) without decoding pixels; raise
         InvalidInput."""
         ...
 
-    async def encode(self, images: Sequence[bytes]) -> EmbeddingMemory:
+    async def encode(self, images: Sequence[bytes], modality: str = "IMAGE") -> EmbeddingMemory:
         """The embedding of ``images``; its ``checksum`` already computed off the event loop
         when that is costly (the real encoder does it in its worker thread)."""
         ...
@@ -53,11 +53,11 @@ class PassThroughEncoder:
     def arena(self) -> Arena | None:
         return self._inner.arena
 
-    async def load_items(self, items: Sequence[str]) -> list[bytes]:
-        return await self._inner.load_items(items)
+    async def load_items(self, items: Sequence[str], modality: str = "IMAGE") -> list[bytes]:
+        return await self._inner.load_items(items, modality)
 
-    async def encode(self, images: Sequence[bytes]) -> EmbeddingMemory:
-        return await self._inner.encode(images)
+    async def encode(self, images: Sequence[bytes], modality: str = "IMAGE") -> EmbeddingMemory:
+        return await self._inner.encode(images, modality)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         await self._inner.run(task_status=task_status)

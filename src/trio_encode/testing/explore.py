@@ -293,26 +293,26 @@ class _ThreadLikeEncoder(PassThroughEncoder):
         self.handed_out: list[tuple[weakref.ref[Any], int, int]] = []
         self.on_drop: Callable[[int, int], None] = lambda address, nbytes: None
 
-    async def load_items(self, items: Sequence[str]) -> list[bytes]:
+    async def load_items(self, items: Sequence[str], modality: str = "IMAGE") -> list[bytes]:
         task = trio.lowlevel.current_task()
         await trio.lowlevel.checkpoint_if_cancelled()
         self.loading.add(task)
         try:
             with trio.CancelScope(shield=True):
                 await trio.sleep(self._latencies.next("load"))
-                images = await self._inner.load_items(items)
+                images = await self._inner.load_items(items, modality)
             self.loaded.add(task)
             return images
         finally:
             self.loading.discard(task)
 
-    async def encode(self, images: Sequence[bytes]) -> EmbeddingMemory:
+    async def encode(self, images: Sequence[bytes], modality: str = "IMAGE") -> EmbeddingMemory:
         await trio.sleep(self._latencies.next("encode"))
         key = tuple(images)
         if self._shared and key in self._cache:
             cached: EmbeddingMemory = self._cache[key]
             return cached
-        embedding = await self._inner.encode(images)
+        embedding = await self._inner.encode(images, modality)
         weakref.finalize(embedding, self.on_drop, embedding.address, embedding.nbytes)
         self.handed_out.append((weakref.ref(embedding), embedding.address, embedding.nbytes))
         if self._shared:

@@ -54,7 +54,7 @@ class StandInEncoder:
     def ready(self) -> bool:
         return self._ready
 
-    async def load_items(self, items: Sequence[str]) -> list[bytes]:
+    async def load_items(self, items: Sequence[str], modality: str = "IMAGE") -> list[bytes]:
         await trio.lowlevel.checkpoint()
         images = []
         for index, item in enumerate(items):
@@ -67,7 +67,7 @@ class StandInEncoder:
                 raise InvalidInput(f"mm_items[{index}]: the base64 data is corrupt") from None
         return images
 
-    async def encode(self, images: Sequence[bytes]) -> Embedding:
+    async def encode(self, images: Sequence[bytes], modality: str = "IMAGE") -> Embedding:
         self.runs += 1
         if self.delay:
             await trio.sleep(self.delay)
