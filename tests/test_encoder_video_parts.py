@@ -29,7 +29,7 @@ from trio_encode.encoder import EncoderSettings, ImageEncoder
 from trio_encode.encoder.video import decode_video
 from trio_encode.encoder.vlm_video import VideoPath
 from trio_encode.errors import InvalidInput
-from trio_encode.request_types import EmbeddingMemory
+from trio_encode.request_types import EmbeddingMemory, EmbeddingShape
 from trio_encode.service import EncodeService, Notify, ServiceSettings
 from trio_encode.testing.images import noise_uri
 from trio_encode.testing.memory_engine import InMemoryFabric
@@ -177,3 +177,30 @@ async def test_a_video_parts_rank_is_told_its_modality_grid_and_metadata(model_d
     for name, value in report.shape.media.meta:
         assert getattr(loaded, name) == value
     assert report.shape.media.meta  # each family here sends one kind of metadata
+
+
+async def test_the_http_answers_of_a_video_part_carry_its_metadata(model_dir: Path) -> None:
+    """``/encode`` (and so a rank's pull and ``/send``) names the family's metadata beside
+    ``grid_dim``; an image part's answers have none of it."""
+    from trio_encode.server.schemas import EncodeRequest, encode_answer
+    from trio_encode.service import EncodeReport
+
+    async with running(model_dir) as encoder:
+        embedding = await encoder.encode([SHORT], "VIDEO")
+        image = await encoder.encode(await encoder.load_items([noise_uri(2)]), "IMAGE")
+    for part, modality in ((embedding, "VIDEO"), (image, "IMAGE")):
+        shape = EmbeddingShape(
+            part.rows,
+            part.dim,
+            part.nbytes,
+            part.dtype,
+            part.checksum,
+            tuple(part.grids),
+            tuple(part.image_lens),
+            part.media,
+        )
+        body = EncodeRequest(req_id="r", mm_items=["x"], modality=modality)
+        answer = encode_answer(body, EncodeReport(shape, 1))
+        meta = {"second_per_grid_ts", "video_timestamps"} & set(answer)
+        assert {name: answer[name] for name in meta} == dict(part.media.meta)
+        assert bool(meta) == (modality == "VIDEO")

@@ -231,6 +231,7 @@ def _shape_fields(shape: EmbeddingShape) -> dict[str, Any]:
         "dtype": shape.dtype,
         "checksum": shape.checksum,
         "grid_dim": grid_dim(shape.grids),
+        **dict(shape.media.meta),  # a video part's: what SGLang's prefill reads beside it
     }
 
 
