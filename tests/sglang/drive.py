@@ -5,9 +5,12 @@ its dependencies) and what its receiver modules import. Two servers; TP rank pro
 with SGLang's ``MooncakeTransferEngine`` (TCP), SGLang's ``EmbeddingPool`` logic and, per
 request, SGLang's ``WaitingRDMARequest`` polled as its scheduler polls it
 (``_try_recv_mm_data`` every tick); the tokenizer's dispatch is SGLang's
-``MMReceiverHTTP.encode``. A request passes when every rank ends ``SUCCESS`` and the bytes
-SGLang hands its model processor equal, part by part, the checksum ``/encode`` reports for
-those images (or, for a bad image, when every rank aborts at once with our error).
+``MMReceiverHTTP.encode``. The servers serve a tiny random-weight Qwen2.5-VL (its image and
+video paths). A request passes when every rank ends ``SUCCESS``, the bytes SGLang hands its
+model processor equal, part by part, the checksum ``/encode`` reports for those items, and the
+grids and video metadata SGLang hands it equal what ``/encode`` reports (or, for a bad item,
+when every rank aborts at once with our error). A request of images and a video is split by
+SGLang into parts of both modalities, on both servers.
 
 What is not SGLang's own code here, and why:
 
@@ -35,6 +38,7 @@ import random
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from types import SimpleNamespace
@@ -90,15 +94,19 @@ def rank_main(rank: int, conn: Any) -> None:
         mm_items: list[Any] = []
 
     class RecordingProcessor:
-        """Stands for the model's processor: keeps the bytes SGLang hands it."""
+        """Stands for the model's processor: keeps the bytes SGLang hands it, by modality."""
 
         prefer_tokenized_input = True
 
         def __init__(self) -> None:
-            self.handed: bytes | None = None
+            self.handed: dict[str, bytes] | None = None
+            self.extra: dict[str, Any] = {}
 
         def get_validated_mm_data(self, prompt: Any, embedding: Any, **extra: Any) -> Any:
-            self.handed = bytes(embedding[Modality.IMAGE].contiguous().view(torch.uint8).numpy())
+            self.handed = {
+                modality.name: bytes(rows.contiguous().view(torch.uint8).numpy())
+                for modality, rows in embedding.items()
+            }
             self.extra = extra
             return ModelInputs()
 
@@ -110,7 +118,9 @@ def rank_main(rank: int, conn: Any) -> None:
         processor = RecordingProcessor()
         recv_req = SimpleNamespace(
             rid=command["rid"],
-            num_items_assigned={Modality.IMAGE: command["assignment"]},
+            num_items_assigned={
+                Modality[name]: counts for name, counts in command["assignment"].items()
+            },
             input_ids=[1, 2, 3],
             input_text=None,
         )
@@ -138,13 +148,13 @@ def rank_main(rank: int, conn: Any) -> None:
         parts: list[str] = []
         data = waiting.recv_embedding_data
         if processor.handed is not None and data is not None:
-            offset = 0
-            for shape in data.embedding_shape_list:
-                size = shape[0] * shape[1] * 4
-                parts.append(
-                    f"xxh3-64:{xxhash.xxh3_64_hexdigest(processor.handed[offset : offset + size])}"
-                )
-                offset += size
+            offsets = dict.fromkeys(processor.handed, 0)
+            for modality, shape in zip(data.modality_list, data.embedding_shape_list, strict=True):
+                size, offset = shape[0] * shape[1] * 4, offsets[modality.name]
+                rows = processor.handed[modality.name][offset : offset + size]
+                parts.append(f"xxh3-64:{xxhash.xxh3_64_hexdigest(rows)}")
+                offsets[modality.name] += size
+        extra = processor.extra
         conn.send(
             {
                 "rank": rank,
@@ -153,9 +163,11 @@ def rank_main(rank: int, conn: Any) -> None:
                 "error_code": waiting.error_code,
                 "seconds": seconds,
                 "checksums": parts,
-                "grid": None
-                if data is None
-                else str(processor.__dict__.get("extra", {}).get("img_grid_thw")),
+                "grids": {
+                    name: None if extra.get(name) is None else extra[name].tolist()
+                    for name in ("img_grid_thw", "video_grid_thw")
+                },
+                "second_per_grid_ts": extra.get("second_per_grid_ts"),
             }
         )
         waiting.release_resources()
@@ -186,7 +198,33 @@ BAD = "data:image/png;base64," + base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"\0" *
 """A PNG signature and nothing decodable: found bad only when the image is decoded."""
 
 
-def start_server(port: int) -> subprocess.Popen[bytes]:
+def mp4(seed: int, frames: int = 10, rate: int = 4) -> str:
+    """A small H.264 video whose frames differ (a gradient moving with the frame's index)."""
+    import av
+    import numpy as np
+
+    buffer = io.BytesIO()
+    with av.open(buffer, "w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=rate)
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+        ys, xs = np.mgrid[0:48, 0:64]
+        for index in range(frames):
+            picture = np.empty((48, 64, 3), dtype=np.uint8)
+            picture[..., 0] = (xs * 4 + 9 * index + seed) % 256
+            picture[..., 1] = (ys * 5 + 5 * index) % 256
+            picture[..., 2] = (xs + ys + 17 * index) % 256
+            for packet in stream.encode(av.VideoFrame.from_ndarray(picture, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return "data:video/mp4;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+BAD_VIDEO = "data:video/mp4;base64," + base64.b64encode(b"\0\0\0\x18ftypmp42" + b"\0" * 64).decode()
+"""An MP4 box and no video in it: found bad only when the video is decoded."""
+
+
+def start_server(port: int, model: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [
             sys.executable,
@@ -207,6 +245,8 @@ def start_server(port: int) -> subprocess.Popen[bytes]:
             "float32",
             "--log-level",
             "WARNING",
+            "--model",
+            model,
         ],
         env=os.environ | {"MC_LOG_LEVEL": "ERROR"},
     )
@@ -224,14 +264,18 @@ def wait_ready(url: str) -> None:
     raise RuntimeError(f"{url} never became ready")
 
 
-def checksum_of(url: str, items: list[str], tag: str) -> str:
-    """What ``/encode`` reports for these images (a fresh id: the request under test is gone)."""
-    body = {"req_id": tag, "mm_items": items, "receive_count": 1}
-    answer = httpx.post(url + "/encode", json=body, timeout=120).json()
-    return str(answer["checksum"])
+def encoded(url: str, items: list[str], tag: str, modality: str) -> dict[str, Any]:
+    """What ``/encode`` reports for these items (a fresh id: the request under test is gone)."""
+    body = {"req_id": tag, "mm_items": items, "receive_count": 1, "modality": modality}
+    answer: dict[str, Any] = httpx.post(url + "/encode", json=body, timeout=120).json()
+    return answer
 
 
-def dispatch(urls: list[str], rid: str, items: list[str], assignment: list[int]) -> Any:
+Items = list[tuple[str, str]]
+"""(SGLang's modality name, item), in the request's order."""
+
+
+def dispatch(urls: list[str], rid: str, items: Items, assignment: dict[str, list[int]]) -> Any:
     """SGLang's tokenizer: ``MMReceiverHTTP.encode`` over the two servers."""
     from sglang.srt.disaggregation.encoder import receiver as sgl
     from sglang.srt.managers.schedule_batch import Modality
@@ -239,27 +283,52 @@ def dispatch(urls: list[str], rid: str, items: list[str], assignment: list[int])
     tokenizer = object.__new__(sgl.MMReceiverHTTP)
     tokenizer.encode_urls = urls
     tokenizer.host = HOST
-    mm_data = [{"url": item, "modality": Modality.IMAGE} for item in items]
+    mm_data = [{"url": item, "modality": Modality[modality]} for modality, item in items]
     return asyncio.run(
         tokenizer.encode(
             req_id=rid,
             mm_data=mm_data,
             embedding_port=None,
             endpoint_encode="encode",
-            num_items_assigned={Modality.IMAGE: assignment},
+            num_items_assigned={Modality[name]: counts for name, counts in assignment.items()},
             encode_urls=urls,
         )
     )
 
 
-SCENARIOS: list[tuple[str, list[str], list[int], bool, bool]] = [
-    # name, items, items per server, pulls before /encode, expect success
-    ("one image", [png(1)], [1, 0], False, True),
-    ("several images", [png(2), png(3), png(4)], [3, 0], False, True),
-    ("two parts on two servers", [png(5), png(6), png(7)], [2, 1], False, True),
-    ("pulls before /encode", [png(8), png(9)], [1, 1], True, True),
-    ("a bad image", [BAD], [1, 0], False, False),
-    ("a bad image in one of two parts", [png(10), BAD], [1, 1], False, False),
+def images(*items: str) -> Items:
+    return [("IMAGE", item) for item in items]
+
+
+SCENARIOS: list[tuple[str, Items, dict[str, list[int]], bool, bool]] = [
+    # name, items, items per server by modality, pulls before /encode, expect success
+    ("one image", images(png(1)), {"IMAGE": [1, 0]}, False, True),
+    ("several images", images(png(2), png(3), png(4)), {"IMAGE": [3, 0]}, False, True),
+    ("two parts on two servers", images(png(5), png(6), png(7)), {"IMAGE": [2, 1]}, False, True),
+    ("pulls before /encode", images(png(8), png(9)), {"IMAGE": [1, 1]}, True, True),
+    ("a bad image", images(BAD), {"IMAGE": [1, 0]}, False, False),
+    ("a bad image in one of two parts", images(png(10), BAD), {"IMAGE": [1, 1]}, False, False),
+    (
+        "an image and a video, two servers",
+        [("IMAGE", png(11)), ("VIDEO", mp4(1))],
+        {"IMAGE": [1, 0], "VIDEO": [0, 1]},
+        False,
+        True,
+    ),
+    (
+        "two videos and an image",
+        [("VIDEO", mp4(2)), ("IMAGE", png(12)), ("VIDEO", mp4(3, frames=17, rate=6))],
+        {"VIDEO": [1, 1], "IMAGE": [1, 0]},
+        False,
+        True,
+    ),
+    (
+        "a bad video beside an image",
+        [("IMAGE", png(13)), ("VIDEO", BAD_VIDEO)],
+        {"IMAGE": [1, 0], "VIDEO": [0, 1]},
+        False,
+        False,
+    ),
 ]
 
 
@@ -288,19 +357,38 @@ def run_scenario(
     thread.join()
     problems: list[str] = []
     if succeeds:
-        expected, offset = [], 0
-        for server, count in enumerate(assignment):
-            if count:
-                tag = f"check-{rid}-{server}"
-                expected.append(checksum_of(urls[server], items[offset : offset + count], tag))
-                offset += count
+        expected: list[str] = []
+        grids: dict[str, list[list[int]] | None] = {}
+        seconds: list[float] = []
+        for modality, counts in assignment.items():  # SGLang numbers parts in this order
+            of_modality = [item for name, item in items if name == modality]
+            offset = 0
+            for server, count in enumerate(counts):
+                if count:
+                    tag = f"check-{rid}-{modality}-{server}"
+                    answer = encoded(
+                        urls[server], of_modality[offset : offset + count], tag, modality
+                    )
+                    expected.append(str(answer["checksum"]))
+                    key = "img_grid_thw" if modality == "IMAGE" else "video_grid_thw"
+                    grids[key] = (grids.get(key) or []) + answer["grid_dim"]
+                    seconds += answer.get("second_per_grid_ts", [])
+                    offset += count
         if outcome["dispatch"] is not None:
             problems.append(f"tokenizer: {outcome['dispatch']}")
         for result in results:
+            got = {name: grid for name, grid in result["grids"].items() if grid is not None}
             if result["status"] != "SUCCESS":
                 problems.append(f"rank {result['rank']}: {result['status']} {result['error_msg']}")
             elif result["checksums"] != expected:
                 problems.append(f"rank {result['rank']}: {result['checksums']} != {expected}")
+            elif got != grids:
+                problems.append(f"rank {result['rank']}: grids {got} != {grids}")
+            elif (result["second_per_grid_ts"] or []) != seconds:
+                problems.append(
+                    f"rank {result['rank']}: second_per_grid_ts "
+                    f"{result['second_per_grid_ts']} != {seconds}"
+                )
     else:
         for result in results:
             if result["status"] != "FAIL" or result["seconds"] > QUICK:
@@ -323,7 +411,11 @@ def main() -> int:
     tps = [int(tp) for tp in (sys.argv[1:] or ["2", "4"])]
     ports = [free_port(), free_port()]
     urls = [f"http://{HOST}:{port}" for port in ports]
-    servers = [start_server(port) for port in ports]
+    model = tempfile.mkdtemp(prefix="tiny-qwen2_5_vl-")
+    subprocess.run(
+        [sys.executable, "-m", "trio_encode", "make-tiny-model", "qwen2_5_vl", model], check=True
+    )
+    servers = [start_server(port, model) for port in ports]
     spawn = mp.get_context("spawn")
     pipes = [spawn.Pipe() for _ in range(max(tps))]
     processes = [
