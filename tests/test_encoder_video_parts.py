@@ -204,3 +204,18 @@ async def test_the_http_answers_of_a_video_part_carry_its_metadata(model_dir: Pa
         meta = {"second_per_grid_ts", "video_timestamps"} & set(answer)
         assert {name: answer[name] for name in meta} == dict(part.media.meta)
         assert bool(meta) == (modality == "VIDEO")
+
+
+async def test_encoder_runs_are_timed_by_modality(model_dir: Path) -> None:
+    from trio_encode.server.metrics import Metrics
+
+    metrics = Metrics()
+    async with running(model_dir) as encoder:
+        timed = metrics.timed(encoder)
+        await timed.encode([SHORT], "VIDEO")
+        await timed.encode(await encoder.load_items([noise_uri(4)]), "IMAGE")
+    for modality in ("VIDEO", "IMAGE"):
+        count = metrics.registry.get_sample_value(
+            "trio_encode_encode_seconds_count", {"modality": modality}
+        )
+        assert count == 1, modality

@@ -230,8 +230,8 @@ class Exposed:
     since start)."""
 
     # The encoder (encode_seconds is timed here; the rest are its own events, EncoderObserver).
-    encode_seconds = _Metric(Histogram, buckets=_ENCODE_BUCKETS)
-    """One encoder run."""
+    encode_seconds = _Metric(Histogram, ("modality",), buckets=_ENCODE_BUCKETS)
+    """One encoder run, by the part's modality (IMAGE, VIDEO)."""
     encoder_queue_images = _Metric(Gauge)
     """Images waiting for a forward pass now."""
     encoder_batch_size = _Metric(Histogram, buckets=(1, 2, 4, 8, 16, 32, 64))
@@ -468,5 +468,5 @@ class _TimedEncoder(PassThroughEncoder):
     async def encode(self, images: Sequence[bytes], modality: str = "IMAGE") -> EmbeddingMemory:
         started = trio.current_time()
         embedding = await self._inner.encode(images, modality)
-        self._histogram.observe(trio.current_time() - started)
+        self._histogram.labels(modality=modality).observe(trio.current_time() - started)
         return embedding
