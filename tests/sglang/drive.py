@@ -224,6 +224,11 @@ BAD_VIDEO = "data:video/mp4;base64," + base64.b64encode(b"\0\0\0\x18ftypmp42" + 
 """An MP4 box and no video in it: found bad only when the video is decoded."""
 
 
+SERVER_ENV = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
+"""The servers' environment: without the torchvision stub, which SGLang's modules need but
+transformers would take for the real package (and run its fast image processors on it)."""
+
+
 def start_server(port: int, model: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [
@@ -248,7 +253,7 @@ def start_server(port: int, model: str) -> subprocess.Popen[bytes]:
             "--model",
             model,
         ],
-        env=os.environ | {"MC_LOG_LEVEL": "ERROR"},
+        env=SERVER_ENV | {"MC_LOG_LEVEL": "ERROR"},
     )
 
 
@@ -413,7 +418,9 @@ def main() -> int:
     urls = [f"http://{HOST}:{port}" for port in ports]
     model = tempfile.mkdtemp(prefix="tiny-qwen2_5_vl-")
     subprocess.run(
-        [sys.executable, "-m", "trio_encode", "make-tiny-model", "qwen2_5_vl", model], check=True
+        [sys.executable, "-m", "trio_encode", "make-tiny-model", "qwen2_5_vl", model],
+        check=True,
+        env=SERVER_ENV,
     )
     servers = [start_server(port, model) for port in ports]
     spawn = mp.get_context("spawn")

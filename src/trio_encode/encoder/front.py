@@ -134,9 +134,10 @@ class ImageEncoder:
             keeper=self.keeper,
             in_worker_thread=self.in_worker_thread,
             run_forward=run_forward,
-            video=video,
+            video=video if video is not None else video_path_for(backend, self.settings),
         )
         """Queues the images no forward is computing yet and runs them in batches."""
+        video = self.batcher.video
         self.modalities = frozenset({"IMAGE", "VIDEO"} if video is not None else {"IMAGE"})
         """SGLang's modalities this encoder serves (``VIDEO`` with a model's video path)."""
         self._video_key = (
@@ -165,14 +166,7 @@ class ImageEncoder:
         behind a listening port makes it first, so that it is registered at start.
         """
         arena = arena if arena is not None else arena_for(settings)
-        backend = load_backend(settings)
-        video = None
-        if isinstance(backend, VLMVisionModel) and settings.model is not None:
-            sampling = FrameSampling(
-                settings.video_fps, settings.video_min_frames, settings.video_max_frames
-            )
-            video = VideoPath.for_model(backend, settings.model, sampling)
-        return cls(backend, settings, observer=observer, store=store, arena=arena, video=video)
+        return cls(load_backend(settings), settings, observer=observer, store=store, arena=arena)
 
     @property
     def ready(self) -> bool:
@@ -338,6 +332,17 @@ class ImageEncoder:
                 f"{count} images in one request; this server accepts at most "
                 f"{self.settings.queue_size}"
             )
+
+
+def video_path_for(model: object, settings: EncoderSettings) -> VideoPath | None:
+    """The video path of a VLM served from ``settings.model`` that has one, sampling frames by
+    the settings; None for any other model."""
+    if not isinstance(model, VLMVisionModel) or settings.model is None:
+        return None
+    sampling = FrameSampling(
+        settings.video_fps, settings.video_min_frames, settings.video_max_frames
+    )
+    return VideoPath.for_model(model, settings.model, sampling)
 
 
 def content_keys(model_id: str, items: Sequence[bytes]) -> list[CacheKey]:
