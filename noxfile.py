@@ -110,10 +110,12 @@ def explore(session: nox.Session) -> None:
 @nox.session(python=PYTHON, default=False)
 def sglang(session: nox.Session) -> None:
     """SGLang 0.5.23's own receiver code (its tokenizer's dispatch, each TP rank's
-    ``WaitingRDMARequest`` with its Mooncake engine and pool) against two real servers, TP=2
-    and TP=4: one image, several, two parts on two servers, pulls before /encode, a bad image,
-    a bad image in one of two parts. Every request must complete with the bytes /encode's
-    checksum names, or abort at once with our error. ``-- 2`` runs TP=2 only."""
+    ``WaitingRDMARequest`` with its Mooncake engine and pool) against two real servers of a
+    tiny Qwen2.5-VL, TP=2 and TP=4: one image, several, two parts on two servers, pulls before
+    /encode, a bad image, a bad image in one of two parts, an image and a video on two servers,
+    two videos and an image, a bad video beside an image. Every request must complete with the
+    bytes /encode's checksum names and its grids and video metadata, or abort at once with our
+    error. ``-- 2`` runs TP=2 only."""
     _install(session, "mooncake", "group:sglang")
     session.install("--no-deps", "sglang==0.5.23")
     session.run(
