@@ -88,7 +88,7 @@ def lint(session: nox.Session) -> None:
 def mutants(session: nox.Session) -> None:
     """Re-create known lifecycle bugs one at a time in a copy of the package; each mutant's
     killer tests must fail (every rule has a test that would catch its loss). CI runs it."""
-    _install(session, "group:tests")
+    _install(session, "hf", "group:tests")  # the model and video mutants' killers need transformers
     session.run("python", "tests/mutants.py", *session.posargs)
 
 
