@@ -426,7 +426,6 @@ def test_pixels_and_grid_are_the_video_processors(tiny: Tiny, shape: tuple[int, 
     assert torch.equal(out["pixel_values_videos"], prepared.pixels)
 
 
-@pytest.mark.video_processor
 def assert_same_settings(ours: Any, processor: Any) -> None:
     """Our reading of a video processor's configuration equals the processor's own."""
     assert (ours.min_pixels, ours.max_pixels) == (
@@ -444,6 +443,7 @@ def assert_same_settings(ours: Any, processor: Any) -> None:
     assert int(ours.resample) == int(processor.resample)
 
 
+@pytest.mark.video_processor
 def test_settings_are_the_video_processors(tiny: Tiny) -> None:
     processor = T.AutoVideoProcessor.from_pretrained(str(tiny.path), local_files_only=True)
     ours = tiny.video.settings
