@@ -778,6 +778,18 @@ MUTANTS: dict[str, Mutant] = {
         "    return ()",
         (PARTS + "test_a_part_of_videos_is_the_models_video_path_to_the_bit",),
     ),
+    "every caller of the video bench row sends the same video": Mutant(
+        "tools/bench/videos.py",
+        "    return [bench_video(seed) for seed in range(count)]",
+        "    return [bench_video(0) for seed in range(count)]",
+        ("tests/test_bench_model.py::test_each_caller_of_the_video_row_has_its_own_video",),
+    ),
+    "the video bench row's frames per second not per second": Mutant(
+        "tools/bench/results.py",
+        "        return per_video * self.served_videos / self.served_seconds",
+        "        return per_video",
+        ("tests/test_bench_model.py::test_the_video_rows_rates_ratio_and_decoding_share",),
+    ),
     "a tool's help section comes after the product's": Mutant(
         "declare.py",
         "    return own + [name for name in GROUPS if name in unique]",

@@ -121,6 +121,65 @@ class EncoderRow:
 
 
 @dataclass(frozen=True)
+class VideoRow:
+    """One video's ``VIDEO`` parts through the encoder the service uses (``load_items`` then
+    ``encode``, from ``concurrency`` callers at once, batched up to ``batch_size`` videos)
+    against the model's video path on the same prepared frames, one video a forward; and what
+    decoding costs."""
+
+    batch_size: int
+    concurrency: int
+    frames: int
+    """Frames of the video the model takes (SGLang's sampling rule)."""
+    tokens: int
+    """Embedding rows of the video."""
+    video_bytes: int
+    raw_videos: int
+    raw_seconds: float
+    served_videos: int
+    served_seconds: float
+    served_batches: int
+    served_videos_in_batches: int
+    served_forward_seconds: float
+    """Time the forward ran during the served phases (from the batcher's observer)."""
+    decode_videos: int
+    decode_seconds: float
+    """``decode_video`` then ``prepare`` of the video, one after another, in the same rounds."""
+    raw_spread: tuple[float, float]
+    """Slowest and fastest raw frames/s of the rounds."""
+    served_spread: tuple[float, float]
+
+    @property
+    def raw_frame_rate(self) -> float:
+        return self.raw_videos * self.frames / self.raw_seconds
+
+    @property
+    def served_frame_rate(self) -> float:
+        return self.served_videos * self.frames / self.served_seconds
+
+    @property
+    def ratio(self) -> float:
+        return self.served_frame_rate / self.raw_frame_rate
+
+    @property
+    def mean_batch(self) -> float:
+        return self.served_videos_in_batches / max(1, self.served_batches)
+
+    @property
+    def forward_busy(self) -> float:
+        """Share of the served time the model ran."""
+        return self.served_forward_seconds / self.served_seconds
+
+    @property
+    def decode_share(self) -> float:
+        """One video's decoding time over the served time one video takes (the served time
+        over the videos served). Decoding runs in worker threads beside the forward, so a
+        share near or over 1 means decoding, not the model, bounds the served rate."""
+        per_video = self.decode_seconds / self.decode_videos
+        return per_video * self.served_videos / self.served_seconds
+
+
+@dataclass(frozen=True)
 class ProbeRow:
     interval: float
     probes: int
@@ -172,6 +231,8 @@ class BenchResult:
     """The HTTP rows (``--http``)."""
     builds: list[BuildRow] = field(default_factory=list)
     """The /send rows against another build (``--baseline``)."""
+    video: VideoRow | None = None
+    """The ``VIDEO`` row (``--vlm``)."""
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -187,6 +248,10 @@ class BenchResult:
         if self.encoder is not None:
             data["encoder"]["ratio"] = self.encoder.ratio
             data["encoder"]["mean_batch"] = self.encoder.mean_batch
+        if self.video is not None:
+            data["video"]["ratio"] = self.video.ratio
+            data["video"]["decode_share"] = self.video.decode_share
+            data["video"]["mean_batch"] = self.video.mean_batch
         return data
 
     def table(self) -> str:
@@ -236,6 +301,24 @@ class BenchResult:
                     f"{e.raw_rate * e.mean_tokens:.0f} tokens/s, served "
                     f"{e.served_rate * e.mean_tokens:.0f} tokens/s"
                 )
+        if (v := self.video) is not None:
+            verdict = "meets" if v.ratio >= ENCODER_TARGET else "below"
+            lines += [
+                "",
+                f"video {self.model_id}, B={v.batch_size}, {v.concurrency} callers of encode("
+                f"VIDEO): raw {v.raw_frame_rate:.1f} frames/s (one video a forward), served "
+                f"{v.served_frame_rate:.1f} frames/s, ratio {v.ratio:.2f} ({verdict} "
+                f"{ENCODER_TARGET})",
+                f"  {v.frames} frames, {v.tokens} tokens a video ({size_text(v.video_bytes)} "
+                f"MP4); raw {v.raw_frame_rate * v.tokens / v.frames:.0f} tokens/s, served "
+                f"{v.served_frame_rate * v.tokens / v.frames:.0f} tokens/s; decoding "
+                f"{v.decode_share:.0%} of the served time "
+                f"({1000 * v.decode_seconds / v.decode_videos:.1f} ms a video); rounds raw "
+                f"{v.raw_spread[0]:.1f}..{v.raw_spread[1]:.1f}, served "
+                f"{v.served_spread[0]:.1f}..{v.served_spread[1]:.1f} frames/s",
+                f"  served: mean batch {v.mean_batch:.2f} videos, forward busy "
+                f"{v.forward_busy:.0%}",
+            ]
         if h is not None:
             lines.append(
                 f"/health every {h.interval * 1000:.0f} ms while encoding: {h.ok}/{h.probes} "

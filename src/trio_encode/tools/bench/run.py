@@ -16,6 +16,10 @@ process of its own.
 - Encoder rows: the model's forward in a loop at the server's batch size against ``/encode``
   from N clients with distinct JPEGs (cache off), each request completed by a ``/send``, with
   a probe polling ``/health``.
+- Video row (``--vlm``): ``VIDEO`` parts through the encoder the service uses (``load_items``
+  then ``encode``) from N callers, each with its own MP4, against the model's video path on
+  the same prepared frames, one video a forward; and the share of the served time that
+  decoding a video (``decode_video`` then ``prepare``) takes.
 
 Within a round the phases of a row alternate, and rounds are pooled, so load that comes or
 goes during the run skews every side alike.
@@ -23,10 +27,11 @@ goes during the run skews every side alike.
 
 from __future__ import annotations
 
+import base64
 import resource
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, replace
 from functools import partial
@@ -45,6 +50,8 @@ from trio_encode.encoder import (
     VisionModel,
     load_backend,
 )
+from trio_encode.encoder.video import decode_video
+from trio_encode.encoder.vlm_video import PreparedVideo, VideoPath
 from trio_encode.engine.mooncake import MooncakeEngine
 from trio_encode.server.metrics import Metrics
 from trio_encode.server.serve import RunningServer, open_server
@@ -78,11 +85,13 @@ from trio_encode.tools.bench.results import (
     ProbeRow,
     Rate,
     TransferRow,
+    VideoRow,
     percentile,
     size_text,
 )
 from trio_encode.tools.bench.settings import BenchConfig
 from trio_encode.tools.bench.synthetic import ROW_BYTES, SizedBackend, tokens_for
+from trio_encode.tools.bench.videos import bench_videos
 
 
 def _peak_rss() -> int:
@@ -324,11 +333,12 @@ def _prepared(model: VisionModel, jpegs: list[bytes], max_pixels: int) -> list[P
 
 async def _encoder_rows(
     config: BenchConfig, progress: Progress
-) -> tuple[str, EncoderRow, ProbeRow, tuple[int, int]]:
+) -> tuple[str, EncoderRow, ProbeRow, tuple[int, int], VideoRow | None]:
     """The model's forward against /encode; the encoder rows' server has the cache off. With
     ``config.vlm`` the model is a small Qwen2.5-VL-shaped one, saved into a temporary
-    directory, and the images a mix of sizes. The directory lives until the rows end: the
-    server's settings name it, and settings check that their model directory exists."""
+    directory, the images a mix of sizes, and a video row follows. The directory lives until
+    the rows end: the server's settings name it, and settings check that their model
+    directory exists."""
     settings = replace(
         config.encoder,
         cache_bytes=0,
@@ -337,7 +347,7 @@ async def _encoder_rows(
     )
     if not config.vlm:
         backend = await trio.to_thread.run_sync(load_backend, settings)
-        return await _measure_encoder(config, progress, settings, backend, ())
+        return (*await _measure_encoder(config, progress, settings, backend, ()), None)
     from trio_encode.testing.tiny_vlm import VLM_IMAGE_SIZES, save_tiny_qwen2_5_vl
 
     with tempfile.TemporaryDirectory(prefix="trio-encode-bench-vlm-") as name:
@@ -346,7 +356,9 @@ async def _encoder_rows(
         await trio.to_thread.run_sync(save_tiny_qwen2_5_vl, directory)
         settings = replace(settings, model=directory)
         backend = await trio.to_thread.run_sync(load_backend, settings)
-        return await _measure_encoder(config, progress, settings, backend, VLM_IMAGE_SIZES)
+        rows = await _measure_encoder(config, progress, settings, backend, VLM_IMAGE_SIZES)
+        video = await _video_row(config, progress, settings, backend)
+        return (*rows, video)
 
 
 async def _measure_encoder(
@@ -446,6 +458,134 @@ async def _measure_encoder(
     return backend.model_id, row, probe, left
 
 
+def _raw_videos(
+    path: VideoPath, videos: Sequence[PreparedVideo], seconds: float
+) -> tuple[int, float]:
+    """In a worker thread: videos and seconds of back-to-back forwards of the video path, one
+    of ``videos`` each, in turn, for at least ``seconds`` (at least one), after one untimed.
+    On a GPU each forward is waited for, as the served path waits for each batch's rows."""
+    device = path.vlm.device
+
+    def forward(video: PreparedVideo) -> None:
+        path.features([video])
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    forward(videos[0])
+    start = time.perf_counter()
+    count = 0
+    while True:
+        forward(videos[count % len(videos)])
+        count += 1
+        elapsed = time.perf_counter() - start
+        if elapsed >= seconds:
+            return count, elapsed
+
+
+_DECODES = 4
+"""Decodings of the video timed in each round of the video row."""
+
+
+def _decodes(path: VideoPath, videos: Sequence[bytes], count: int) -> float:
+    """In a worker thread: seconds of ``count`` decodings of ``videos`` in turn as the server
+    decodes a video (its frames chosen, then prepared for the model), one after another."""
+    start = time.perf_counter()
+    for index in range(count):
+        path.prepare(decode_video(videos[index % len(videos)], path.sampling))
+    return time.perf_counter() - start
+
+
+async def _served_video(encoder: ImageEncoder, item: str) -> None:
+    """One ``VIDEO`` part of ``item`` (a data URI) as the service serves it."""
+    items = await encoder.load_items([item], "VIDEO")
+    (await encoder.encode(items, "VIDEO")).release()
+
+
+async def _served_videos(
+    encoder: ImageEncoder, items: Sequence[str], seconds: float
+) -> tuple[int, float]:
+    """Videos and seconds of one task per item, each serving its own in a loop for
+    ``seconds`` (the parts begun by then are finished and counted)."""
+    done = 0
+    start = time.perf_counter()
+
+    async def call(item: str) -> None:
+        nonlocal done
+        while time.perf_counter() - start < seconds:
+            await _served_video(encoder, item)
+            done += 1
+
+    async with trio.open_nursery() as nursery:
+        for item in items:
+            nursery.start_soon(call, item)
+    return done, time.perf_counter() - start
+
+
+async def _video_row(
+    config: BenchConfig, progress: Progress, settings: EncoderSettings, backend: VisionModel
+) -> VideoRow:
+    """The bench's video through the encoder the service uses against the model's video
+    path on the same prepared frames, one video a forward; the phases alternate round by
+    round, as the image rows' do."""
+    progress.say(f"video: writing {config.concurrency} videos")
+    datas = await trio.to_thread.run_sync(bench_videos, config.concurrency)
+    items = ["data:video/mp4;base64," + base64.b64encode(data).decode() for data in datas]
+    arena = Arena(settings.arena_bytes, cache_bytes=0) if settings.arena_bytes else None
+    metrics = BatchRecorder()
+    encoder = ImageEncoder(backend, settings, observer=metrics, arena=arena)
+    path = encoder.batcher.video
+    if path is None:
+        raise RuntimeError(f"{backend.model_id} has no video path: no video row")
+    decoded = [await trio.to_thread.run_sync(decode_video, data, path.sampling) for data in datas]
+    prepared = [await trio.to_thread.run_sync(path.prepare, video) for video in decoded]
+    raw_videos, raw_seconds, raw_rates = 0, 0.0, []
+    served_videos, served_seconds, served_rates = 0, 0.0, []
+    decode_seconds = 0.0
+    batches: list[tuple[int, float]] = []
+    frames = len(decoded[0].indices)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(encoder.run)
+        # The video path's first forward, untimed (the encoder's warm-up runs images only).
+        await _served_video(encoder, items[0])
+        for round_ in range(config.rounds):
+            name = f"video round {round_ + 1}/{config.rounds}"
+            progress.say(f"{name}: raw forward")
+            videos, seconds = await trio.to_thread.run_sync(
+                _raw_videos, path, prepared, config.raw_seconds / config.rounds
+            )
+            raw_videos, raw_seconds = raw_videos + videos, raw_seconds + seconds
+            raw_rates.append(videos * frames / seconds)
+            progress.say(f"{name}: served")
+            metrics.batches.clear()
+            videos, seconds = await _served_videos(
+                encoder, items, config.served_seconds / config.rounds
+            )
+            served_videos, served_seconds = served_videos + videos, served_seconds + seconds
+            served_rates.append(videos * frames / seconds)
+            batches += metrics.batches
+            progress.say(f"{name}: decoding")
+            decode_seconds += await trio.to_thread.run_sync(_decodes, path, datas, _DECODES)
+        nursery.cancel_scope.cancel()
+    return VideoRow(
+        batch_size=settings.max_batch_size,
+        concurrency=config.concurrency,
+        frames=frames,
+        tokens=prepared[0].tokens,
+        video_bytes=len(datas[0]),
+        raw_videos=raw_videos,
+        raw_seconds=raw_seconds,
+        served_videos=served_videos,
+        served_seconds=served_seconds,
+        served_batches=len(batches),
+        served_videos_in_batches=sum(videos for videos, _ in batches),
+        served_forward_seconds=sum(seconds for _, seconds in batches),
+        decode_videos=_DECODES * config.rounds,
+        decode_seconds=decode_seconds,
+        raw_spread=spread(raw_rates),
+        served_spread=spread(served_rates),
+    )
+
+
 async def run_bench(config: BenchConfig) -> BenchResult:
     """Every row; see the module's doc."""
     started = time.perf_counter()
@@ -456,9 +596,9 @@ async def run_bench(config: BenchConfig) -> BenchResult:
     calls = await run_calls(config, progress) if config.http else None
     if not config.vlm and not config.http:
         transfers, registrations_left, scopes_left = await _transfer_rows(config, progress, builds)
-    model_id, encoder, health = "", None, None
+    model_id, encoder, health, video = "", None, None, None
     if (config.encoder_rows or config.vlm) and not config.http:
-        model_id, encoder, health, left = await _encoder_rows(config, progress)
+        model_id, encoder, health, left, video = await _encoder_rows(config, progress)
         registrations_left += left[0]
         scopes_left += left[1]
     result = BenchResult(
@@ -474,6 +614,7 @@ async def run_bench(config: BenchConfig) -> BenchResult:
         seconds=time.perf_counter() - started,
         calls=calls,
         builds=builds,
+        video=video,
     )
     if config.plots is not None:
         from trio_encode.tools.bench.plots import write_plots

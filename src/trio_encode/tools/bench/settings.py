@@ -67,7 +67,9 @@ class BenchConfig:
     vlm: bool = bench_setting(False)
     """Only the encoder rows, on a small Qwen2.5-VL-shaped model with random weights (built into a
     temporary directory, nothing downloaded) and images of four sizes and aspect ratios; the row
-    adds tokens/s. Needs the hf extra."""
+    adds tokens/s. Then a video row: VIDEO parts (a 4 s MP4 per client) through the encoder
+    against the model's video path on the same frames, and decoding's share. Needs the hf
+    extra."""
     concurrency: int = bench_setting(16, gt=0)
     """HTTP clients calling /encode then /send in a loop, each with its own images."""
     served_seconds: float = bench_setting(60.0, gt=0)
