@@ -145,7 +145,9 @@ def test_each_caller_of_the_video_row_has_its_own_video() -> None:
     assert {video.shape for video in frames} == {(8, 240, 320, 3)}
     for index, video in enumerate(frames):
         for other in frames[index + 1 :]:
-            assert not np.array_equal(video, other)
+            # Far apart, not merely unequal: the encoder's threads may code one content twice
+            # with slightly different pixels.
+            assert np.abs(video.astype(np.int16) - other.astype(np.int16)).mean() > 8
 
 
 def test_the_video_rows_rates_ratio_and_decoding_share() -> None:
