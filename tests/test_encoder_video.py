@@ -8,7 +8,7 @@ from __future__ import annotations
 import io
 import math
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -30,6 +30,7 @@ from trio_encode.encoder.video import (
     video_timestamps,
 )
 from trio_encode.errors import InvalidInput
+from trio_encode.testing.videos import write_video
 
 BITS = 10  # frames are numbered in binary: one bar per bit, white for 1
 
@@ -54,33 +55,9 @@ def read_barcode(frame: npt.NDArray[np.uint8]) -> int:
     return index
 
 
-def write(
-    count: int,
-    rate: int,
-    width: int = 80,
-    height: int = 48,
-    *,
-    fmt: str = "mp4",
-    codec: str = "libx264",
-    gop: int | None = None,
-    frame: Callable[[int, int, int], npt.NDArray[np.uint8]] = barcode,
-    pix_fmt: str = "yuv420p",
-    options: dict[str, str] | None = None,
-) -> bytes:
-    buffer = io.BytesIO()
-    with av.open(buffer, "w", format=fmt) as container:
-        stream = container.add_stream(codec, rate=rate, options=options or {})
-        assert isinstance(stream, av.VideoStream)
-        stream.width, stream.height, stream.pix_fmt = width, height, pix_fmt
-        if gop is not None:
-            stream.codec_context.gop_size = gop
-        for index in range(count):
-            image = av.VideoFrame.from_ndarray(frame(index, width, height), format="rgb24")
-            for packet in stream.encode(image):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    return buffer.getvalue()
+def write(count: int, rate: int, width: int = 80, height: int = 48, **options: Any) -> bytes:
+    """A video of barcoded frames (each names its index), as :func:`write_video` writes it."""
+    return write_video(count, rate, width, height, **{"frame": barcode, **options})
 
 
 def named(decoded: DecodedVideo) -> list[int]:

@@ -15,16 +15,13 @@ video placeholders the model's processor puts in a prompt.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import platform
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import av
 import numpy as np
-import numpy.typing as npt
 import pytest
 import torch
 import transformers as T
@@ -52,6 +49,7 @@ from trio_encode.encoder.vlm_video import (
 )
 from trio_encode.errors import InvalidInput
 from trio_encode.testing.tiny_vlm import tiny_parts
+from trio_encode.testing.videos import write_video
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 
@@ -71,30 +69,9 @@ QWEN3_VIDEO_CONFIG: dict[str, Any] = {
 processor's), small enough for the tiny model."""
 
 
-def frame(index: int, width: int, height: int) -> npt.NDArray[np.uint8]:
-    """A frame whose content moves with ``index``: diagonal gradients in each channel."""
-    ys, xs = np.mgrid[0:height, 0:width]
-    out = np.empty((height, width, 3), dtype=np.uint8)
-    out[..., 0] = (xs * 255 // max(width - 1, 1) + 9 * index) % 256
-    out[..., 1] = (ys * 255 // max(height - 1, 1) + 5 * index) % 256
-    out[..., 2] = ((xs + ys) * 3 + 17 * index) % 256
-    return out
-
-
 def clip(count: int, rate: int, width: int, height: int) -> bytes:
     """An H.264 MP4 of ``count`` frames at ``rate`` frames a second."""
-    buffer = io.BytesIO()
-    with av.open(buffer, "w", format="mp4") as container:
-        stream = container.add_stream("libx264", rate=rate)
-        assert isinstance(stream, av.VideoStream)
-        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        for index in range(count):
-            image = av.VideoFrame.from_ndarray(frame(index, width, height), format="rgb24")
-            for packet in stream.encode(image):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    return buffer.getvalue()
+    return write_video(count, rate, width, height)
 
 
 @dataclass

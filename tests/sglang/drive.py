@@ -200,24 +200,10 @@ BAD = "data:image/png;base64," + base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"\0" *
 
 def mp4(seed: int, frames: int = 10, rate: int = 4) -> str:
     """A small H.264 video whose frames differ (a gradient moving with the frame's index)."""
-    import av
-    import numpy as np
+    from trio_encode.testing.videos import write_video
 
-    buffer = io.BytesIO()
-    with av.open(buffer, "w", format="mp4") as container:
-        stream = container.add_stream("libx264", rate=rate)
-        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
-        ys, xs = np.mgrid[0:48, 0:64]
-        for index in range(frames):
-            picture = np.empty((48, 64, 3), dtype=np.uint8)
-            picture[..., 0] = (xs * 4 + 9 * index + seed) % 256
-            picture[..., 1] = (ys * 5 + 5 * index) % 256
-            picture[..., 2] = (xs + ys + 17 * index) % 256
-            for packet in stream.encode(av.VideoFrame.from_ndarray(picture, format="rgb24")):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    return "data:video/mp4;base64," + base64.b64encode(buffer.getvalue()).decode()
+    data = write_video(frames, rate, 64, 48, first=seed * 101)
+    return "data:video/mp4;base64," + base64.b64encode(data).decode()
 
 
 BAD_VIDEO = "data:video/mp4;base64," + base64.b64encode(b"\0\0\0\x18ftypmp42" + b"\0" * 64).decode()
