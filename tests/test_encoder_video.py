@@ -297,7 +297,7 @@ def test_a_header_over_a_limit_is_refused_before_any_packet_is_read(
     walks, decodes = Calls(monkeypatch, "_walk"), Calls(monkeypatch, "_frames_at")
     with pytest.raises(VideoTooBig, match=f"\\({named_limit}\\)") as caught:
         decode_video(data, limits=limits)
-    assert caught.value.status == 400
+    assert caught.value.status == 413
     assert (walks.count, decodes.count) == (0, 0)
     # At the limit itself, the same video passes.
     exact = {

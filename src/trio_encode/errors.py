@@ -70,6 +70,17 @@ class InvalidInput(RequestError):
     kind = "invalid_input"
 
 
+class MediaTooLarge(InvalidInput):
+    """A video or audio clip is over one of the server's media limits (its duration, frame
+    count, pixels, decoded bytes or decode time), by its header or by what decoding it turned
+    out to cost; the message names the limit's setting (413). Bad input like any other: the
+    request leaves nothing behind, and a corrected ``/encode`` of the same ``req_id`` is
+    served."""
+
+    status = 413
+    kind = "media_too_large"
+
+
 class RequestRejected(RequestError):
     """The request was refused before its body was looked at (401, 404 route, 405, 408, 413,
     415, 431)."""
@@ -260,6 +271,7 @@ class EncodeNotArrived(RequestError):
 ERRORS: tuple[type[RequestError], ...] = (
     InternalError,
     InvalidInput,
+    MediaTooLarge,
     Unauthorized,
     NoSuchRoute,
     MethodNotAllowed,

@@ -39,7 +39,7 @@ import numpy.typing as npt
 
 from trio_encode.encoder.images import MediaKind
 from trio_encode.encoder.settings import VIDEO_FPS, VIDEO_MAX_FRAMES, VIDEO_MIN_FRAMES
-from trio_encode.errors import InvalidInput
+from trio_encode.errors import InvalidInput, MediaTooLarge
 
 FRAME_FACTOR = 2
 """Frames are taken in multiples of this (the temporal patch of Qwen-VL's vision tower)."""
@@ -79,7 +79,7 @@ class VideoLimits:
     not wall time: a decode waiting for a core is not the one being slow."""
 
 
-class VideoTooBig(InvalidInput):
+class VideoTooBig(MediaTooLarge):
     """A video is over one of :class:`VideoLimits`, by its header or by what its packets or
     frames turned out to be; the message names the limit."""
 

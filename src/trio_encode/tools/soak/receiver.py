@@ -30,6 +30,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -101,6 +102,32 @@ def _child(pool_bytes: int, host: str) -> None:
 
 
 # -- the parent's handle ------------------------------------------------------------------------
+
+
+def _until_stopped(pid: int, within: float = 5.0) -> None:
+    """Block until every thread of ``pid`` is stopped. SIGSTOP is only queued by ``kill``:
+    on a loaded machine the process may still answer for a while (a first-contact probe,
+    then stop before the handshake that follows it), and a test would race its own freeze."""
+    deadline = time.monotonic() + within
+    tasks = f"/proc/{pid}/task"
+    while time.monotonic() < deadline:
+        try:
+            states = [_thread_state(f"{tasks}/{tid}/stat") for tid in os.listdir(tasks)]
+        except FileNotFoundError:
+            return  # it exited: nothing answers either
+        if all(state in "tTXZ" for state in states):
+            return
+        time.sleep(0.001)
+    raise RuntimeError(f"process {pid} did not stop within {within:g} s of SIGSTOP")
+
+
+def _thread_state(stat_path: str) -> str:
+    """The state letter of ``/proc/<pid>/task/<tid>/stat`` ('X' once the thread is gone)."""
+    try:
+        with open(stat_path) as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return "X"
 
 
 class ReceiverGone(Exception):
@@ -183,6 +210,7 @@ class ReceiverProcess:
         self.frozen = True
         self._thawed = trio.Event()
         self.process.send_signal(signal.SIGSTOP)
+        _until_stopped(self.process.pid)
 
     def thaw(self) -> None:
         self.process.send_signal(signal.SIGCONT)
