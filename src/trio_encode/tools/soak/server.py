@@ -29,8 +29,9 @@ class ServerProcess:
     def __init__(self, process: trio.Process) -> None:
         self.process = process
         self.url = ""
-        self.tail: deque[str] = deque(maxlen=200)
-        """The last lines of its log."""
+        self.tail: deque[str] = deque(maxlen=20_000)
+        """The last lines of its log: enough to hold a drill's whole run, so a line logged
+        once (a signal received) is still there after a burst of per-request lines."""
         self.errors: list[str] = []
         """Every log line at ERROR level or above, and any traceback line."""
         assert process.stderr is not None
