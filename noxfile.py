@@ -141,7 +141,12 @@ def video_processor(session: nox.Session) -> None:
     session.install("torch==2.14.1", "torchvision==0.29.1")
     session.install(".[hf]", *nox.project.dependency_groups(PYPROJECT, "tests"))
     session.run(
-        "pytest", "-m", "video_processor", "tests/test_encoder_vlm_video.py", *session.posargs
+        "pytest",
+        "-m",
+        "video_processor",
+        "tests/test_encoder_vlm_video.py",
+        "tests/test_encoder_vlm_video_square.py",
+        *session.posargs,
     )
 
 

@@ -39,6 +39,8 @@ HELD = "tests/test_scope_held_memory.py::"
 STATE = "tests/test_request_state.py::"
 VIDEO = "tests/test_encoder_vlm_video.py::"
 PARTS = "tests/test_encoder_video_parts.py::"
+KEEP = "tests/test_encoder_keeping_modalities.py::"
+SQUARE = "tests/test_encoder_vlm_video_square.py::"
 PAUSED = (
     "tests/test_scope_held_memory_mooncake.py::"
     "test_a_paused_rank_receives_its_own_bytes_when_it_resumes_never_the_next_requests"
@@ -339,6 +341,8 @@ MUTANTS: dict[str, Mutant] = {
         (
             "tests/test_http_security.py::"
             "test_a_store_entry_whose_bytes_were_overwritten_is_never_served",
+            KEEP
+            + "test_a_row_rewritten_beside_its_own_digest_and_description_is_never_served[unkeyed]",
         ),
     ),
     "a store entry not sealed with the fleet's secret served": Mutant(
@@ -348,6 +352,8 @@ MUTANTS: dict[str, Mutant] = {
         (
             "tests/test_encoder_store_key.py::"
             "test_with_a_fleet_secret_only_entries_sealed_by_the_fleet_are_served",
+            KEEP
+            + "test_a_row_rewritten_beside_its_own_digest_and_description_is_never_served[keyed]",
         ),
     ),
     "a row changed since its forward sealed as the fleet's": Mutant(
@@ -405,7 +411,8 @@ MUTANTS: dict[str, Mutant] = {
         '            if kind == "error":\n                async with self._error_slots:',
         "            if False:\n                async with self._error_slots:",
         (
-            "tests/test_completion_pusher.py::test_error_pushes_to_gone_hosts_never_take_the_sockets_done_pushes_need",
+            "tests/test_completion_pusher.py::test_error_pushes_to_gone_hosts_never_take_the_so"
+            "ckets_done_pushes_need",
         ),
     ),
     "a failure pushed to an endpoint its request never bound (hostile)": Mutant(
@@ -413,7 +420,8 @@ MUTANTS: dict[str, Mutant] = {
         "        elif only in record.endpoints and only not in record.told:",
         "        elif only not in record.told:",
         (
-            "tests/test_service_completion.py::test_failure_pushes_go_only_to_endpoints_of_requests_this_server_holds",
+            "tests/test_service_completion.py::test_failure_pushes_go_only_to_endpoints_of_requ"
+            "ests_this_server_holds",
         ),
     ),
     "endpoints uncapped across joins (hostile)": Mutant(
@@ -437,7 +445,8 @@ MUTANTS: dict[str, Mutant] = {
         "PartIndex = Annotated[StrictInt, Field(ge=0, lt=MAX_PARTS)]",
         "PartIndex = Annotated[StrictInt, Field(ge=0)]",
         (
-            "tests/test_http_bad_input.py::test_bad_input_gets_a_contract_error_and_leaves_nothing[send-part-idx-huge]",
+            "tests/test_http_bad_input.py::test_bad_input_gets_a_contract_error_and_leaves_noth"
+            "ing[send-part-idx-huge]",
         ),
     ),
     "bodies in flight unbounded (hostile)": Mutant(
@@ -454,7 +463,8 @@ MUTANTS: dict[str, Mutant] = {
         "        if len(message) > MAX_MESSAGE_CHARS:",
         "        if False:",
         (
-            "tests/test_http_bad_input.py::test_bad_input_gets_a_contract_error_and_leaves_nothing[modality-huge]",
+            "tests/test_http_bad_input.py::test_bad_input_gets_a_contract_error_and_leaves_noth"
+            "ing[modality-huge]",
         ),
         also=(("errors.py", "    if len(value) <= QUOTED_CHARS:", "    if True:"),),
     ),
@@ -463,7 +473,8 @@ MUTANTS: dict[str, Mutant] = {
         "        if len(starts) > MAX_JPEG_SCANS:",
         "        if False:",
         (
-            "tests/test_encoder_image_bounds.py::test_a_jpeg_of_thousands_of_scans_is_refused_before_decoding",
+            "tests/test_encoder_image_bounds.py::test_a_jpeg_of_thousands_of_scans_is_refused_b"
+            "efore_decoding",
         ),
     ),
     "PNG chunks unbounded (hostile)": Mutant(
@@ -471,7 +482,8 @@ MUTANTS: dict[str, Mutant] = {
         '            if chunks > MAX_CHUNKS:\n                raise _over("PNG chunks',
         '            if False:\n                raise _over("PNG chunks',
         (
-            "tests/test_encoder_image_bounds.py::test_a_png_of_a_million_empty_chunks_is_refused_before_decoding",
+            "tests/test_encoder_image_bounds.py::test_a_png_of_a_million_empty_chunks_is_refuse"
+            "d_before_decoding",
         ),
     ),
     "a poller that never wakes a send whose batches ended (isolation)": Mutant(
@@ -485,7 +497,8 @@ MUTANTS: dict[str, Mutant] = {
         "            return outcome.Value((flight.code or TRANSFER_FAILED, flight.batches))",
         "            return outcome.Value((flight.code or TRANSFER_FAILED, []))",
         (
-            "tests/test_engine_poller.py::test_a_cancelled_send_leaves_at_once_and_its_batches_stay_reading",
+            "tests/test_engine_poller.py::test_a_cancelled_send_leaves_at_once_and_its_batches_"
+            "stay_reading",
         ),
     ),
     "a poller that ignores a cancelled caller (isolation)": Mutant(
@@ -493,7 +506,8 @@ MUTANTS: dict[str, Mutant] = {
         "        if waited > flight.timeout or flight.stop.is_set():",
         "        if waited > flight.timeout:",
         (
-            "tests/test_engine_poller.py::test_a_cancelled_send_leaves_at_once_and_its_batches_stay_reading",
+            "tests/test_engine_poller.py::test_a_cancelled_send_leaves_at_once_and_its_batches_"
+            "stay_reading",
         ),
     ),
     "a transfer holds its thread while it waits (isolation)": Mutant(
@@ -514,7 +528,8 @@ MUTANTS: dict[str, Mutant] = {
         "        if 2 * self.max_sends_per_client > cap:",
         "        if False:",
         (
-            "tests/test_client_share.py::test_a_client_s_share_is_at_most_half_the_engine_s_transfers",
+            "tests/test_client_share.py::test_a_client_s_share_is_at_most_half_the_engine_s_tra"
+            "nsfers",
         ),
     ),
     "no engine-wide cap on transfers in flight (isolation)": Mutant(
@@ -522,7 +537,8 @@ MUTANTS: dict[str, Mutant] = {
         "        self.in_flight = trio.CapacityLimiter(self.settings.transfers_in_flight)",
         "        self.in_flight = trio.CapacityLimiter(1_000_000)",
         (
-            "tests/test_isolation_mock_clock.py::test_the_engine_bounds_transfers_in_flight_on_the_mock_clock",
+            "tests/test_isolation_mock_clock.py::test_the_engine_bounds_transfers_in_flight_on_"
+            "the_mock_clock",
         ),
     ),
     "concurrent first sends each probe (isolation)": Mutant(
@@ -530,7 +546,8 @@ MUTANTS: dict[str, Mutant] = {
         "        probe = self._probing.get(session_id)",
         "        probe = None",
         (
-            "tests/test_isolation_processes.py::test_many_sends_to_a_rank_frozen_before_first_contact_leave_new_ranks_served",
+            "tests/test_isolation_processes.py::test_many_sends_to_a_rank_frozen_before_first_c"
+            "ontact_leave_new_ranks_served",
         ),
     ),
     "an error kind's documented status drifts (docs)": Mutant(
@@ -538,7 +555,8 @@ MUTANTS: dict[str, Mutant] = {
         "    status = 415",
         "    status = 400",
         (
-            "tests/test_docs_consistency.py::test_every_error_kind_the_docs_name_exists_with_its_status",
+            "tests/test_docs_consistency.py::test_every_error_kind_the_docs_name_exists_with_it"
+            "s_status",
         ),
     ),
     "a metric the dashboard queries is renamed (docs)": Mutant(
@@ -558,7 +576,8 @@ MUTANTS: dict[str, Mutant] = {
         "            await nursery.start(encoder.run)\n",
         "            nursery.start_soon(encoder.run)\n",
         (
-            "tests/test_first_hour.py::test_the_ready_line_comes_after_serving_on_and_the_first_request_after_it_is_served",
+            "tests/test_first_hour.py::test_the_ready_line_comes_after_serving_on_and_the_first"
+            "_request_after_it_is_served",
         ),
     ),
     "a config-only model directory accepted (first hour)": Mutant(
@@ -566,7 +585,8 @@ MUTANTS: dict[str, Mutant] = {
         "    if not files:\n",
         "    if False:\n",
         (
-            "tests/test_first_hour.py::test_a_model_directory_the_loader_would_fail_on_is_refused_before_listening",
+            "tests/test_first_hour.py::test_a_model_directory_the_loader_would_fail_on_is_refus"
+            "ed_before_listening",
         ),
     ),
     "rdma without devices accepted (first hour)": Mutant(
@@ -574,7 +594,8 @@ MUTANTS: dict[str, Mutant] = {
         "    if not found:\n",
         "    if False:\n",
         (
-            "tests/test_first_hour.py::test_rdma_is_refused_without_devices_and_named_devices_must_exist",
+            "tests/test_first_hour.py::test_rdma_is_refused_without_devices_and_named_devices_m"
+            "ust_exist",
         ),
     ),
     "--dtype auto ignores the model's config (first hour)": Mutant(
@@ -588,7 +609,8 @@ MUTANTS: dict[str, Mutant] = {
         "    return named[flat] if flat in named else describe(loc)\n",
         "    return describe(loc)\n",
         (
-            "tests/test_first_hour.py::test_an_error_names_the_flag_or_the_variable_the_value_came_from",
+            "tests/test_first_hour.py::test_an_error_names_the_flag_or_the_variable_the_value_c"
+            "ame_from",
         ),
     ),
     "progress cut off a terminal (first hour)": Mutant(
@@ -608,7 +630,8 @@ MUTANTS: dict[str, Mutant] = {
         "        if self.expected is None or path not in _PROTECTED:",
         "        if True:",
         (
-            "tests/test_server_fast_routes.py::test_the_fast_routes_answer_log_and_count_exactly_as_quart_does",
+            "tests/test_server_fast_routes.py::test_the_fast_routes_answer_log_and_count_exactl"
+            "y_as_quart_does",
         ),
     ),
     "a declared control body past its limit is read (hostile)": Mutant(
@@ -619,7 +642,8 @@ MUTANTS: dict[str, Mutant] = {
         (
             "tests/test_server_fast_routes.py::"
             "test_a_control_body_declared_past_its_limit_is_cut_before_a_byte_is_read",
-            "tests/test_server_fast_routes.py::test_the_fast_routes_answer_log_and_count_exactly_as_quart_does",
+            "tests/test_server_fast_routes.py::test_the_fast_routes_answer_log_and_count_exactl"
+            "y_as_quart_does",
         ),
     ),
     "Quart reads a control body already cut (hostile)": Mutant(
@@ -628,7 +652,8 @@ MUTANTS: dict[str, Mutant] = {
         "read\n            data =",
         "        if True:\n            data =",
         (
-            "tests/test_server_fast_routes.py::test_the_fast_routes_answer_log_and_count_exactly_as_quart_does",
+            "tests/test_server_fast_routes.py::test_the_fast_routes_answer_log_and_count_exactl"
+            "y_as_quart_does",
         ),
     ),
     "a kept send error holds the frames of its raise": Mutant(
@@ -642,7 +667,8 @@ MUTANTS: dict[str, Mutant] = {
         '    "qwen3_vl_moe": _DEEPSTACK,\n',
         '    "qwen3_vl_moe": _QWEN,\n',
         (
-            "tests/test_encoder_vlm.py::test_served_bytes_equal_transformers_and_counts_equal_the_prompt[qwen3_vl_moe-float32]",
+            "tests/test_encoder_vlm.py::test_served_bytes_equal_transformers_and_counts_equal_t"
+            "he_prompt[qwen3_vl_moe-float32]",
         ),
     ),
     "the deepstack width read from one model type": Mutant(
@@ -650,7 +676,8 @@ MUTANTS: dict[str, Mutant] = {
         "        if self.family.deepstack:\n",
         '        if model_type == "qwen3_vl":\n',
         (
-            "tests/test_encoder_vlm.py::test_served_bytes_equal_transformers_and_counts_equal_the_prompt[qwen3_vl_moe-float32]",
+            "tests/test_encoder_vlm.py::test_served_bytes_equal_transformers_and_counts_equal_t"
+            "he_prompt[qwen3_vl_moe-float32]",
         ),
     ),
     "Qwen3.5 given a deepstack it does not have": Mutant(
@@ -658,7 +685,8 @@ MUTANTS: dict[str, Mutant] = {
         '    "qwen3_5": _QWEN,\n',
         '    "qwen3_5": _DEEPSTACK,\n',
         (
-            "tests/test_encoder_vlm.py::test_served_bytes_equal_transformers_and_counts_equal_the_prompt[qwen3_5-float32]",
+            "tests/test_encoder_vlm.py::test_served_bytes_equal_transformers_and_counts_equal_t"
+            "he_prompt[qwen3_5-float32]",
         ),
     ),
     "Gemma 4's padding patches served as real ones": Mutant(
@@ -666,7 +694,8 @@ MUTANTS: dict[str, Mutant] = {
         "packed[..., -2:].to(torch.long)",
         "packed[..., -2:].to(torch.long).clamp(min=0)",
         (
-            "tests/test_encoder_vlm.py::test_served_bytes_equal_transformers_and_counts_equal_the_prompt[gemma4-float32]",
+            "tests/test_encoder_vlm.py::test_served_bytes_equal_transformers_and_counts_equal_t"
+            "he_prompt[gemma4-float32]",
         ),
     ),
     "a served family without a tiny model": Mutant(
@@ -741,10 +770,305 @@ MUTANTS: dict[str, Mutant] = {
         ").permute(0, 3, 4, 6, 7, 2, 1, 5, 8)",
         (VIDEO + "test_patches_are_the_mergers_order_and_an_odd_last_frame_is_repeated",),
     ),
+    "a LLaVA-OneVision video's newline row not counted": Mutant(
+        "encoder/vlm_video.py",
+        "    trailing_rows = 1\n",
+        "    trailing_rows = 0\n",
+        (SQUARE + "test_rows_are_the_models_own_get_video_features[onevision-8x4x80x48]",),
+    ),
+    "LLaVA-OneVision's pooled side rounded down": Mutant(
+        "encoder/vlm_video.py",
+        "math.ceil(patches / 2) ** 2",
+        "(patches // 2) ** 2",
+        (
+            SQUARE
+            + "test_rows_are_the_models_own_get_video_features[onevision+odd+config-8x4x80x48]",
+        ),
+    ),
+    "InternVL video rows token by token, not frame after frame": Mutant(
+        "encoder/vlm_video.py",
+        "rows.append(out.pooler_output.reshape(-1, out.pooler_output.shape[-1]))",
+        "rows.append(out.pooler_output.transpose(0, 1).reshape(-1, out.pooler_output.shape[-1]))",
+        (SQUARE + "test_rows_are_the_models_own_get_video_features[internvl-8x4x80x48]",),
+    ),
+    "InternVL frame rows not the tile's": Mutant(
+        "encoder/vlm_video.py",
+        "else cls(settings, per_tile(vlm.config))",
+        "else cls(settings, per_tile(vlm.config) + 1)",
+        (SQUARE + "test_rows_are_the_models_own_get_video_features[internvl-8x4x80x48]",),
+    ),
+    "square video frames' resample ignored": Mutant(
+        "encoder/vlm_video.py",
+        "size = (settings.height, settings.width)\n        frames = processor_resize("
+        "frames.unsqueeze(0), size, settings.resample)[0]",
+        "size = (settings.height, settings.width)\n        frames = processor_resize("
+        "frames.unsqueeze(0), size, 3)[0]",
+        (SQUARE + "test_pixels_are_the_processors_recorded_ones[onevision+bilinear]",),
+    ),
+    "a square video processor's saved mean and std ignored": Mutant(
+        "encoder/vlm_video.py",
+        'for key in ("image_mean", "image_std"):',
+        "for key in ():",
+        (SQUARE + "test_pixels_are_the_processors_recorded_ones[onevision+odd+config]",),
+    ),
+    "a video processor's centre crop ignored": Mutant(
+        "encoder/vlm_video.py",
+        'if saved.get("do_center_crop"):',
+        "if False:",
+        (SQUARE + "test_a_video_processor_not_reproduced_gives_no_video[crop]",),
+    ),
+    "a square video frame not checked against the tower": Mutant(
+        "encoder/vlm_video.py",
+        "if not settings.do_resize or (settings.height, settings.width) != (side, side):",
+        "if not settings.do_resize:",
+        (SQUARE + "test_a_video_processor_not_reproduced_gives_no_video[size]",),
+    ),
+    "a family takes another video path's processor": Mutant(
+        "encoder/vlm_video.py",
+        "return named if VIDEO_PROCESSORS[named] is VIDEO_PROCESSORS[family] else None",
+        "return named",
+        (
+            SQUARE
+            + "test_the_processor_class_is_the_one_transformers_picks[llava_onevision-saved5-None]",
+        ),
+    ),
+    "audio: a header's seconds unchecked": Mutant(
+        "encoder/audio.py",
+        "    if seconds is not None and seconds > limits.max_seconds:",
+        "    if False:",
+        (
+            "tests/test_encoder_audio.py::test_a_tiny_file_claiming_hours_is_refused_from_its_h"
+            "eader",
+        ),
+    ),
+    "audio: a header's output bytes unchecked": Mutant(
+        "encoder/audio.py",
+        '            _check_output(math.ceil(header.seconds * sampling_rate), "declares", limits)',
+        "            pass",
+        (
+            "tests/test_encoder_audio.py::test_a_header_over_a_limit_is_refused_before_any_pack"
+            "et_is_decoded[flac-limits2-max_output_bytes-exact2]",
+        ),
+    ),
+    "audio: the samples held unchecked": Mutant(
+        "encoder/audio.py",
+        "            if held > most:",
+        "            if False:",
+        (
+            "tests/test_encoder_audio.py::test_more_samples_than_declared_are_stopped_with_boun"
+            "ded_memory[says-1s]",
+        ),
+    ),
+    "audio: the resampler's slack loose": Mutant(
+        "encoder/audio.py",
+        "_RESAMPLER_SLACK = 1\n",
+        "_RESAMPLER_SLACK = 4096\n",
+        (
+            "tests/test_encoder_audio.py::test_a_clip_a_little_over_without_a_declared_length_i"
+            "s_stopped_while_decoding",
+        ),
+    ),
+    "audio: the CPU budget unchecked": Mutant(
+        "encoder/audio.py",
+        "            _check_budget(started, limits)\n",
+        "",
+        ("tests/test_encoder_audio.py::test_a_decode_past_its_budget_is_stopped",),
+    ),
+    "audio: any codec opened": Mutant(
+        "encoder/audio.py",
+        "    if codec not in CODECS:",
+        "    if False:",
+        ("tests/test_encoder_audio.py::test_a_codec_outside_the_list_is_refused_before_decoding",),
+    ),
+    "audio: channels not limited": Mutant(
+        "encoder/audio.py",
+        "    if channels > limits.max_channels:",
+        "    if False:",
+        (
+            "tests/test_encoder_audio.py::test_a_header_over_a_limit_is_refused_before_any_pack"
+            "et_is_decoded[wav-limits1-max_channels-exact1]",
+        ),
+    ),
+    "audio: channels not mixed to one": Mutant(
+        "encoder/audio.py",
+        'av.AudioResampler(format="fltp", layout="mono", rate=sampling_rate)',
+        'av.AudioResampler(format="fltp", rate=sampling_rate)',
+        ("tests/test_encoder_audio.py::test_channels_are_mixed_to_one",),
+    ),
+    "audio: a damaged packet fails the clip": Mutant(
+        "encoder/audio.py",
+        "                skipped = skipped or exc\n                continue",
+        "                raise",
+        ("tests/test_encoder_audio.py::test_a_truncated_flac_gives_the_samples_it_has",),
+    ),
+    "Qwen2-Audio's feature mask dropped": Mutant(
+        "encoder/vlm_audio.py",
+        "    hidden = tower(features, attention_mask=attention).last_hidden_state",
+        "    hidden = tower(features).last_hidden_state",
+        ("tests/test_encoder_vlm_audio.py::test_rows_are_what_the_models_own_forward_merges[1.0]",),
+    ),
+    "Qwen2-Audio's window not refused": Mutant(
+        "encoder/vlm_audio.py",
+        '        if self.extractor_kwargs.get("truncation") is False and len(decoded.samples) >'
+        " window:",
+        "        if False:",
+        ("tests/test_encoder_vlm_audio.py::test_a_clip_longer_than_the_window_is_refused",),
+    ),
+    "an audio clip's token count off": Mutant(
+        "encoder/vlm_audio.py",
+        "    return (after_conv - 2) // 2 + 1",
+        "    return (after_conv - 1) // 2 + 1",
+        ("tests/test_encoder_vlm_audio.py::test_lengths_are_sglangs[7.37-737-184]",),
+    ),
+    "the thinker's processor config ignored": Mutant(
+        "encoder/vlm_audio.py",
+        '    processor = _read(thinker, "processor_config") or _read(config, "processor_config")',
+        '    processor = _read(config, "processor_config")',
+        (
+            "tests/test_encoder_vlm_audio.py::test_the_sampling_rate_is_resolved_as_sglang_reso"
+            "lves_it[config4-48000]",
+        ),
+    ),
+    "Omni's audio padding unmasked": Mutant(
+        "encoder/vlm_audio.py",
+        "feature_attention_mask=mask.to(device)",
+        "feature_attention_mask=torch.ones_like(mask).to(device)",
+        (
+            "tests/test_encoder_vlm_audio.py::test_omni_rows_are_the_thinkers_own_get_audio_fea"
+            "tures",
+        ),
+    ),
+    "Omni's part prefix kept": Mutant(
+        "encoder/vlm.py",
+        '        stored = stored.removeprefix(f"{part}.")\n',
+        "",
+        ("tests/test_encoder_vlm_audio.py::test_omni_loads_only_the_thinkers_towers",),
+    ),
+    "images sent to an audio model": Mutant(
+        "encoder/vlm.py",
+        "        if not self.family.images:\n            raise",
+        "        if False:\n            raise",
+        ("tests/test_encoder_vlm_audio.py::test_an_audio_model_takes_no_images",),
+    ),
+    "videos decoded in the image threads": Mutant(
+        "encoder/batcher.py",
+        '        run = self.in_worker_thread if modality == "IMAGE" else self.in_media_thread',
+        "        run = self.in_worker_thread",
+        (
+            "tests/test_encoder_video_limits.py::test_an_image_is_served_while_videos_hold_ever"
+            "y_video_thread[1]",
+        ),
+    ),
+    "the media threads unbounded": Mutant(
+        "encoder/batcher.py",
+        "worker_threads(settings.media_decode_threads)",
+        "worker_threads(8)",
+        (
+            "tests/test_encoder_video_limits.py::test_an_image_is_served_while_videos_hold_ever"
+            "y_video_thread[1]",
+        ),
+    ),
+    "a video decoded without the settings' limits": Mutant(
+        "encoder/batcher.py",
+        "decoded = decode_video(data, self.video.sampling, self.video_limits)",
+        "decoded = decode_video(data, self.video.sampling)",
+        (
+            "tests/test_encoder_video_limits.py::test_each_video_limit_setting_refuses_a_clip_o"
+            "ver_it_as_a_413[video_max_seconds-1.5]",
+        ),
+    ),
+    "a video over a limit answered 400": Mutant(
+        "encoder/batcher.py",
+        "            return self.model.decode(data, max_pixels=self.settings.max_image_pixels)"
+        "\n        except InvalidInput as exc:  # its own class: a video over a limit stays a 4"
+        "13\n            raise type(exc)(",
+        "            return self.model.decode(data, max_pixels=self.settings.max_image_pixels)"
+        "\n        except InvalidInput as exc:  # its own class: a video over a limit stays a 4"
+        "13\n            raise InvalidInput(",
+        (
+            "tests/test_encoder_video_limits.py::test_each_video_limit_setting_refuses_a_clip_o"
+            "ver_it_as_a_413[video_max_output_bytes-46079]",
+        ),
+    ),
+    "video headers checked only in the video thread": Mutant(
+        "encoder/batcher.py",
+        '            if modality == "VIDEO":  # what the headers refuse',
+        "            if False:  # what the headers refuse",
+        (
+            "tests/test_encoder_video_limits.py::test_a_video_its_header_refuses_is_answered_wh"
+            "ile_the_video_thread_is_held",
+        ),
+    ),
+    "a video header checked without the settings' limits": Mutant(
+        "encoder/batcher.py",
+        "            check_header(data, self.video_limits)",
+        "            check_header(data)",
+        (
+            "tests/test_encoder_video_limits.py::test_a_video_its_header_refuses_is_answered_wh"
+            "ile_the_video_thread_is_held",
+        ),
+    ),
+    "video_max_pixels read from another setting": Mutant(
+        "encoder/video.py",
+        "max_pixels=settings.video_max_pixels,",
+        "max_pixels=settings.video_max_frame_pixels,",
+        ("tests/test_encoder_video_limits.py::test_the_limits_are_the_settings",),
+    ),
+    "an MP4's sample tables unchecked": Mutant(
+        "encoder/video.py",
+        '    if container_format == "mov":\n        _check_sample_tables(data, limits)',
+        "    if False:\n        _check_sample_tables(data, limits)",
+        (
+            "tests/test_encoder_video.py::test_a_sample_table_declaring_millions_is_refused_bef"
+            "ore_ffmpeg_opens_it[mp4-soun]",
+        ),
+    ),
+    "an MP4's fragments not summed": Mutant(
+        "encoder/video.py",
+        "in_fragments[track] = in_fragments.get(track, 0) + count",
+        "in_fragments[track] = count",
+        (
+            "tests/test_encoder_video.py::test_a_fragment_declaring_millions_is_refused_before_"
+            "ffmpeg_opens_it",
+        ),
+    ),
+    "PCM audio counted by its samples": Mutant(
+        "encoder/video.py",
+        '    return handler, 0 if handler == "soun" and by_chunk else samples',
+        "    return handler, samples",
+        ("tests/test_encoder_video.py::test_pcm_audio_is_not_counted_by_its_samples",),
+    ),
+    "the boxes walked unbounded": Mutant(
+        "encoder/video.py",
+        "            self.left -= 1",
+        "            self.left -= 0",
+        (
+            "tests/test_encoder_video.py::test_the_boxes_walked_before_ffmpeg_opens_a_file_are_"
+            "bounded",
+        ),
+    ),
+    "a track's chunk indexing misjudged": Mutant(
+        "encoder/video.py",
+        "                by_chunk = (by_chunk is not False) and runs == 1 and delta == 1",
+        "                by_chunk = runs == 1 and delta == 1",
+        (
+            "tests/test_encoder_video.py::test_a_track_is_counted_by_its_samples_unless_ffmpeg_"
+            "indexes_it_by_chunk[handlers6-deltas6-True]",
+        ),
+    ),
+    "a track's handler searched in the wrong order": Mutant(
+        "encoder/video.py",
+        '    for named in (b"vide", b"soun", *handlers[:1]):',
+        '    for named in (*handlers[:1], b"vide", b"soun"):',
+        (
+            "tests/test_encoder_video.py::test_a_track_is_counted_by_its_samples_unless_ffmpeg_"
+            "indexes_it_by_chunk[handlers3-deltas3-True]",
+        ),
+    ),
     "a video's deepstack columns dropped": Mutant(
         "encoder/vlm_video.py",
-        "            if vlm.family.deepstack:",
-        "            if False:",
+        "        if vlm.family.deepstack:",
+        "        if False:",
         (VIDEO + "test_rows_are_the_models_own_get_video_features[qwen3_vl-8x4x80x48]",),
     ),
     "Qwen2.5-VL's seconds per grid not sent": Mutant(
@@ -753,18 +1077,93 @@ MUTANTS: dict[str, Mutant] = {
         "_SECONDS_PER_GRID = frozenset()",
         (VIDEO + "test_metadata_is_sglangs[qwen2_5_vl]",),
     ),
-    "a video part served from kept rows, without its metadata": Mutant(
-        "encoder/front.py",
-        "        if not videos:  # videos are not kept",
-        "        if True:  # videos are not kept",
-        (PARTS + "test_a_part_of_videos_is_the_models_video_path_to_the_bit",),
-        also=(
-            (
-                "encoder/batcher.py",
-                "            if isinstance(job.image, PreparedVideo):  # not kept",
-                "            if False:  # not kept",
-            ),
+    "a video kept without its metadata: a hit answers without it": Mutant(
+        "encoder/batcher.py",
+        "            kept = Kept(row, job.image.grid, checksum, segment, job.image.meta)",
+        "            kept = Kept(row, job.image.grid, checksum, segment)",
+        (
+            KEEP + "test_the_same_bytes_as_an_image_and_as_a_video_never_share_an_entry[cache]",
+            KEEP + "test_a_repeated_video_of_a_real_model_is_a_hit_with_the_same_answer[arena]",
+            PARTS + "test_a_part_of_videos_is_the_models_video_path_to_the_bit",
         ),
+    ),
+    "videos not kept: every repeat runs the forward again": Mutant(
+        "encoder/batcher.py",
+        "            self.keeper.keep(job.key, kept)  # with its metadata",
+        "            isinstance(job.image, PreparedVideo) or self.keeper.keep(job.key, kept)  #",
+        (
+            KEEP + "test_the_same_bytes_as_an_image_and_as_a_video_never_share_an_entry[arena]",
+            KEEP + "test_a_repeated_video_of_a_real_model_is_a_hit_with_the_same_answer[cache]",
+        ),
+    ),
+    "an item's key without its modality: an image's row served for a video": Mutant(
+        "encoder/cache.py",
+        "    return CacheKey(model_id, hashlib.sha256(data).hexdigest(), modality, recipe)",
+        "    return CacheKey(model_id, hashlib.sha256(data).hexdigest(), recipe=recipe)",
+        (KEEP + "test_an_items_key_names_its_modality_and_its_recipe",),
+    ),
+    "a video's key without its frame sampling: another sampling's rows served": Mutant(
+        "encoder/front.py",
+        "        return recipe_digest(video.recipe)",
+        '        return "video"',
+        (KEEP + "test_different_frame_samplings_never_share_an_entry",),
+    ),
+    "the store's key without an item's modality and recipe": Mutant(
+        "encoder/store.py",
+        "{key.modality}/{key.recipe or '-'}/{key.sha256}",
+        "{key.sha256}",
+        (
+            KEEP + "test_the_same_bytes_as_an_image_and_as_a_video_never_share_an_entry[store]",
+            KEEP + "test_different_frame_samplings_never_share_an_entry",
+        ),
+    ),
+    "a cached row's metadata dropped by plain memory": Mutant(
+        "encoder/keeping.py",
+        "self.cache.digest(key), meta=self.cache.meta(key))",
+        "self.cache.digest(key))",
+        (KEEP + "test_the_same_bytes_as_an_image_and_as_a_video_never_share_an_entry[cache]",),
+    ),
+    "a store hit copied into the arena without its metadata": Mutant(
+        "encoder/keeping.py",
+        "        copied = Kept(row, stored.grid, stored.checksum, segment, stored.meta)",
+        "        copied = Kept(row, stored.grid, stored.checksum, segment)",
+        (KEEP + "test_a_repeated_video_is_served_from_the_store_with_its_metadata",),
+    ),
+    "a store entry's metadata not stored or not read": Mutant(
+        "encoder/keeping.py",
+        "            grid=kept.grid,\n            meta=kept.meta,\n",
+        "            grid=kept.grid,\n",
+        (
+            KEEP + "test_the_same_bytes_as_an_image_and_as_a_video_never_share_an_entry[store]",
+            KEEP + "test_a_repeated_video_is_served_from_the_store_with_its_metadata",
+        ),
+    ),
+    "a store entry whose description was changed served (failure 24)": Mutant(
+        "encoder/store.py",
+        "    if not hmac.compare_digest(_tag(seal, name, front, body), header[:_DIGEST]):",
+        "    if False:",
+        (
+            KEEP + "test_a_store_entry_whose_metadata_was_changed_is_never_served[unkeyed]",
+            KEEP + "test_a_store_entry_whose_metadata_was_changed_is_never_served[keyed]",
+        ),
+    ),
+    "a description tagged without the fleet's secret served under it": Mutant(
+        "encoder/store.py",
+        "    return xxhash.xxh3_64_digest(text) if seal is None else seal.tag(text)",
+        "    return xxhash.xxh3_64_digest(text)",
+        (KEEP + "test_a_forged_description_is_refused_under_a_fleet_secret",),
+    ),
+    "a description longer than its room stored cut": Mutant(
+        "encoder/store.py",
+        "    if len(text) > _HEADER - _DIGEST - _LENGTH:",
+        "    if False:",
+        (KEEP + "test_a_row_whose_description_does_not_fit_is_not_stored",),
+    ),
+    "a video part routed by its items alone": Mutant(
+        "client/ranking.py",
+        '    if modality != "IMAGE":\n        # Personalised',
+        "    if False:\n        # Personalised",
+        (KEEP + "test_a_video_part_routes_on_its_own_key",),
     ),
     "a video part's rank told it is an image": Mutant(
         "service/messages.py",
@@ -801,7 +1200,8 @@ MUTANTS: dict[str, Mutant] = {
         "        self.record(",
         "        (lambda *a: None)(",
         (
-            "tests/test_server_fast_routes.py::test_the_fast_routes_answer_log_and_count_exactly_as_quart_does",
+            "tests/test_server_fast_routes.py::test_the_fast_routes_answer_log_and_count_exactl"
+            "y_as_quart_does",
         ),
     ),
     "the log writer wakes per line (hot path)": Mutant(
@@ -810,7 +1210,8 @@ MUTANTS: dict[str, Mutant] = {
         "            with self._wake:\n                lines = list(self._pending)",
         "            with self._wake:\n                lines = list(self._pending)",
         (
-            "tests/test_log_sink.py::test_a_woken_writer_lingers_so_lines_arriving_meanwhile_go_in_one_write_and_one_wake",
+            "tests/test_log_sink.py::test_a_woken_writer_lingers_so_lines_arriving_meanwhile_go"
+            "_in_one_write_and_one_wake",
         ),
     ),
     "a video's duration unbounded (video)": Mutant(
@@ -818,7 +1219,8 @@ MUTANTS: dict[str, Mutant] = {
         "if seconds is not None and seconds > limits.max_seconds:",
         "if seconds is not None and seconds > limits.max_seconds * 1000:",
         (
-            "tests/test_encoder_video.py::test_a_tiny_file_claiming_hours_is_refused_from_its_header",
+            "tests/test_encoder_video.py::test_a_tiny_file_claiming_hours_is_refused_from_its_h"
+            "eader",
         ),
     ),
     "a video's frames x pixels unchecked after the header (video)": Mutant(
@@ -826,7 +1228,8 @@ MUTANTS: dict[str, Mutant] = {
         "if len(pts) > limits.max_frames or len(pts) * pixels > limits.max_pixels:",
         "if False:",
         (
-            "tests/test_encoder_video.py::test_a_header_understating_the_stream_is_caught_by_the_packet_walk",
+            "tests/test_encoder_video.py::test_a_header_understating_the_stream_is_caught_by_th"
+            "e_packet_walk",
         ),
     ),
     "a frame larger than declared decoded (video)": Mutant(
@@ -834,7 +1237,8 @@ MUTANTS: dict[str, Mutant] = {
         "if (frame.width, frame.height) != (width, height):",
         "if False:",
         (
-            "tests/test_encoder_video.py::test_a_frame_larger_than_declared_is_stopped_while_decoding",
+            "tests/test_encoder_video.py::test_a_frame_larger_than_declared_is_stopped_while_de"
+            "coding",
         ),
     ),
     "a video decode without its CPU budget (video)": Mutant(
@@ -861,7 +1265,8 @@ MUTANTS: dict[str, Mutant] = {
         "            await self._connection._initiate_server_close()",
         "        with trio.CancelScope(shield=True):\n            pass",
         (
-            "tests/test_server_keep_alive.py::test_an_idle_connection_closes_after_the_timeout_and_a_long_call_is_never_cut",
+            "tests/test_server_keep_alive.py::test_an_idle_connection_closes_after_the_timeout_"
+            "and_a_long_call_is_never_cut",
         ),
     ),
     "the keep-alive timer cuts a long call (connections)": Mutant(
@@ -869,7 +1274,8 @@ MUTANTS: dict[str, Mutant] = {
         "        self._idle = False\n        self._scope.deadline = math.inf",
         "        self._idle = False",
         (
-            "tests/test_server_keep_alive.py::test_an_idle_connection_closes_after_the_timeout_and_a_long_call_is_never_cut",
+            "tests/test_server_keep_alive.py::test_an_idle_connection_closes_after_the_timeout_"
+            "and_a_long_call_is_never_cut",
         ),
     ),
     "the keep-alive timer outlives its connection's reading (connections)": Mutant(

@@ -22,7 +22,14 @@ from trio_encode.encoder import CacheKey, ImageEncoder
 from trio_encode.encoder.cache import content_key
 from trio_encode.encoder.model import BuiltinBackend
 from trio_encode.encoder.settings import EncoderSettings
-from trio_encode.encoder.store import MooncakeEmbeddingStore, _digest_bytes, store_key
+from trio_encode.encoder.store import (
+    MooncakeEmbeddingStore,
+    StoreHit,
+    _body,
+    _describe,
+    _digest_bytes,
+    store_key,
+)
 
 TINY = EncoderSettings(
     image_size=32, patch_size=16, width=32, heads=2, depth=1, hidden_size=64, warmup=False
@@ -61,8 +68,9 @@ class Events:
 
 
 class PerKey:
-    """The store client's two batched calls (a digest and a row per key), over the one call
-    per key and row a fake answers; a row found gets the digest of its bytes."""
+    """The store client's two batched calls (a digest, a description and a row per key), over
+    the one call per key and row a fake answers; a row found gets the digest of its bytes and
+    an empty description made for it."""
 
     def get_into(self, key: str, address: int, nbytes: int) -> int:
         raise NotImplementedError
@@ -74,14 +82,19 @@ class PerKey:
         self, keys: list[str], pointers: list[list[int]], sizes: list[list[int]]
     ) -> list[int]:
         codes = []
-        for key, (digest_at, row_at), (digest_bytes, row_bytes) in zip(
+        for key, (digest_at, header_at, row_at), (digest_bytes, header_bytes, row_bytes) in zip(
             keys, pointers, sizes, strict=True
         ):
             code = self.get_into(key, row_at, row_bytes)
             if code == row_bytes:
                 digest = xxhash.xxh3_64_digest(ctypes.string_at(row_at, row_bytes))
+                body = _body(None, ())
+                assert body is not None
+                header = _describe(None, key, digest, body)
+                assert len(header) == header_bytes
                 ctypes.memmove(digest_at, digest, digest_bytes)
-                code += digest_bytes
+                ctypes.memmove(header_at, header, header_bytes)
+                code += digest_bytes + header_bytes
             codes.append(code)
         return codes
 
@@ -90,7 +103,7 @@ class PerKey:
     ) -> list[int]:
         return [
             self.put_from(key, row_at, row_bytes)
-            for key, (_, row_at), (_, row_bytes) in zip(keys, pointers, sizes, strict=True)
+            for key, (_, _, row_at), (_, _, row_bytes) in zip(keys, pointers, sizes, strict=True)
         ]
 
     def remove(self, key: str, force: bool = False) -> int:
@@ -155,7 +168,7 @@ async def test_results_are_counted_per_image() -> None:
     store = _store(events, wait=5.0)
     store._client = Answers()
     found = await store.get(["hit", "miss", "broken"], [torch.zeros(4) for _ in range(3)])
-    assert found == [tensor_checksum(torch.zeros(4)), None, None]
+    assert found == [StoreHit(tensor_checksum(torch.zeros(4))), None, None]
     assert events.lookups == [("hit", 1), ("miss", 1), ("error", 1)]
 
 

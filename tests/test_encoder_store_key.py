@@ -23,8 +23,11 @@ from trio_encode.encoder import ImageEncoder
 from trio_encode.encoder.cache import content_key
 from trio_encode.encoder.settings import EncoderSettings
 from trio_encode.encoder.store import (
+    _HEADER,
     MooncakeEmbeddingStore,
     NullStoreObserver,
+    _body,
+    _describe,
     _digest_bytes,
     store_key,
 )
@@ -114,9 +117,12 @@ async def test_with_a_fleet_secret_only_entries_sealed_by_the_fleet_are_served(
 
             # A stranger's entry, consistent as the unkeyed layout checks it.
             entry = await trio.to_thread.run_sync(stranger.get, b.name(x))
-            assert len(entry) == 8 + ROW
+            assert len(entry) == 8 + _HEADER + ROW
             other = b"\x07" * ROW
-            forged = xxhash.xxh3_64_digest(other) + other
+            digest = xxhash.xxh3_64_digest(other)
+            body = _body(None, ())
+            assert body is not None
+            forged = digest + _describe(None, b.name(x), digest, body) + other
             assert await trio.to_thread.run_sync(stranger.upsert, b.name(x), forged) == 0
             assert await b.encode(x) == clean
             assert b.count("store_lookups_total", result="poisoned") == 1

@@ -21,6 +21,7 @@ from support.fake_encoder import (
 )
 from trio_encode.embedding import Embedding, tensor_checksum
 from trio_encode.encoder import ImageEncoder, content_key
+from trio_encode.encoder.store import StoreHit
 
 
 class BlockingStore:
@@ -34,7 +35,7 @@ class BlockingStore:
         task_status.started()
         await trio.sleep_forever()
 
-    async def get(self, keys: Sequence[str], into: Sequence[torch.Tensor]) -> list[str | None]:
+    async def get(self, keys: Sequence[str], into: Sequence[torch.Tensor]) -> list[StoreHit | None]:
         self.asked.set()
         await self.answer.wait()
         return [None for _ in keys]
@@ -45,6 +46,7 @@ class BlockingStore:
         tensor: torch.Tensor,
         checksum: str,
         done: Callable[[], None] | None = None,
+        **described: object,
     ) -> None:
         if done is not None:
             done()

@@ -21,6 +21,9 @@ from support.fake_encoder import (
 )
 from trio_encode.embedding import tensor_checksum
 from trio_encode.encoder import ImageEncoder
+from trio_encode.encoder.backend import ItemMeta
+from trio_encode.encoder.store import StoreHit
+from trio_encode.request_types import Grid
 
 FORWARD = 1.0
 
@@ -30,6 +33,7 @@ class DictStore:
 
     def __init__(self, latency: float = 0.001) -> None:
         self.entries: dict[str, torch.Tensor] = {}
+        self.described: dict[str, tuple[Grid | None, ItemMeta]] = {}
         self.latency = latency
         self.gets: list[list[str]] = []
         self.puts: list[str] = []
@@ -38,14 +42,16 @@ class DictStore:
         task_status.started()
         await trio.sleep_forever()
 
-    async def get(self, keys: Sequence[str], into: Sequence[torch.Tensor]) -> list[str | None]:
+    async def get(self, keys: Sequence[str], into: Sequence[torch.Tensor]) -> list[StoreHit | None]:
         self.gets.append(list(keys))
         await trio.sleep(self.latency)
-        found: list[str | None] = []
+        found: list[StoreHit | None] = []
         for key, tensor in zip(keys, into, strict=True):
             if key in self.entries:
                 tensor.copy_(self.entries[key])
-            found.append(tensor_checksum(tensor) if key in self.entries else None)
+                found.append(StoreHit(tensor_checksum(tensor), *self.described[key]))
+            else:
+                found.append(None)
         return found
 
     def put(
@@ -54,10 +60,14 @@ class DictStore:
         tensor: torch.Tensor,
         checksum: str,
         done: Callable[[], None] | None = None,
+        *,
+        grid: Grid | None = None,
+        meta: ItemMeta = (),
     ) -> None:
         assert checksum == tensor_checksum(tensor), "offered with the checksum of its bytes"
         self.puts.append(key)
         self.entries[key] = tensor.clone()
+        self.described[key] = (grid, meta)
         if done is not None:
             done()
 
@@ -79,7 +89,7 @@ async def test_a_store_hit_skips_the_forward_and_a_forward_is_offered_back(
         computed = await first.encode([image(40)])
     assert first_model.encoded == [40]
     assert len(store.puts) == 1
-    assert store.puts[0].startswith("trio-encode/checked/fake-model/")
+    assert store.puts[0].startswith("trio-encode/checked/v2/fake-model/IMAGE/-/")
 
     second, second_model = make(store)  # another encoder of the fleet, same model
     async with encoder_running(second):

@@ -17,12 +17,19 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
+from hostile.videos import (
+    fragment_bomb_mp4,
+    fragmented_mp4,
+    sample_table_bomb_mp4,
+    webm_duration,
+)
 from trio_encode.encoder import video
 from trio_encode.encoder.video import (
     DecodedVideo,
     FrameSampling,
     VideoLimits,
     VideoTooBig,
+    check_header,
     decode_video,
     frame_count,
     frame_indices,
@@ -282,30 +289,33 @@ def test_decoding_is_thread_safe() -> None:
 @pytest.mark.parametrize(
     ("limits", "named_limit"),
     [
-        (VideoLimits(max_seconds=3.0), "max_seconds"),  # 95 frames at 24/s: 3.96 s
-        (VideoLimits(max_frames=94), "max_frames"),
-        (VideoLimits(max_frame_pixels=80 * 48 - 1), "max_frame_pixels"),
-        (VideoLimits(max_pixels=95 * 80 * 48 - 1), "max_pixels"),
+        (VideoLimits(max_seconds=3.0), "video_max_seconds"),  # 95 frames at 24/s: 3.96 s
+        (VideoLimits(max_frames=94), "video_max_total_frames"),
+        (VideoLimits(max_frame_pixels=80 * 48 - 1), "video_max_frame_pixels"),
+        (VideoLimits(max_pixels=95 * 80 * 48 - 1), "video_max_pixels"),
     ],
 )
-@pytest.mark.parametrize("fmt", ["mp4", "webm"])
+@pytest.mark.parametrize("fmt", ["mp4", "mov", "webm"])
 def test_a_header_over_a_limit_is_refused_before_any_packet_is_read(
     monkeypatch: pytest.MonkeyPatch, limits: VideoLimits, named_limit: str, fmt: str
 ) -> None:
-    codec = "libx264" if fmt == "mp4" else "libvpx-vp9"
+    codec = "libvpx-vp9" if fmt == "webm" else "libx264"
     data = write(95, 24, 80, 48, fmt=fmt, codec=codec)
     walks, decodes = Calls(monkeypatch, "_walk"), Calls(monkeypatch, "_frames_at")
     with pytest.raises(VideoTooBig, match=f"\\({named_limit}\\)") as caught:
         decode_video(data, limits=limits)
     assert caught.value.status == 413
+    with pytest.raises(VideoTooBig, match=f"\\({named_limit}\\)"):
+        check_header(data, limits)  # what the batcher asks as the video arrives
     assert (walks.count, decodes.count) == (0, 0)
     # At the limit itself, the same video passes.
     exact = {
-        "max_seconds": VideoLimits(max_seconds=4.0),
-        "max_frames": VideoLimits(max_frames=96),  # WebM: estimated from 3.959 s at 24/s
-        "max_frame_pixels": VideoLimits(max_frame_pixels=80 * 48),
-        "max_pixels": VideoLimits(max_pixels=96 * 80 * 48),
+        "video_max_seconds": VideoLimits(max_seconds=4.0),
+        "video_max_total_frames": VideoLimits(max_frames=96),  # WebM: from 3.959 s at 24/s
+        "video_max_frame_pixels": VideoLimits(max_frame_pixels=80 * 48),
+        "video_max_pixels": VideoLimits(max_pixels=96 * 80 * 48),
     }[named_limit]
+    check_header(data, exact)
     assert named(decode_video(data, limits=exact)) == [0, 18, 37, 56, 75, 94]
 
 
@@ -314,17 +324,124 @@ def test_chosen_frames_over_the_output_bytes_are_refused_before_decoding(
 ) -> None:
     data = write(95, 24, 80, 48)
     decodes = Calls(monkeypatch, "_frames_at")
-    with pytest.raises(VideoTooBig, match=r"\(max_output_bytes\)"):
+    with pytest.raises(VideoTooBig, match=r"\(video_max_output_bytes\)"):
         decode_video(data, limits=VideoLimits(max_output_bytes=6 * 80 * 48 * 3 - 1))
     assert decodes.count == 0
     ok = decode_video(data, limits=VideoLimits(max_output_bytes=6 * 80 * 48 * 3))
     assert ok.frames.nbytes == 6 * 80 * 48 * 3
 
 
-def webm_duration(data: bytes, milliseconds: float) -> bytes:
-    """The WebM with its Segment Info's Duration (an 8-byte float) replaced."""
-    at = data.index(b"\x44\x89\x88")
-    return data[: at + 3] + struct.pack(">d", milliseconds) + data[at + 11 :]
+@pytest.mark.parametrize("track", [b"vide", b"soun"])
+@pytest.mark.parametrize("fmt", ["mp4", "mov"])
+def test_a_sample_table_declaring_millions_is_refused_before_ffmpeg_opens_it(
+    monkeypatch: pytest.MonkeyPatch, fmt: str, track: bytes
+) -> None:
+    """3 KB declaring 60 million samples of one size in its video or its audio track, which
+    FFmpeg would index as it opens the file (2.4 GB): refused from the table itself, FFmpeg
+    never called."""
+    data = sample_table_bomb_mp4(fmt=fmt, track=track)
+    assert len(data) < 3000
+    opens = Calls(monkeypatch, "_opened")
+    expected = rf"{track.decode()}' track's sample table declares 60000000 samples.*\(video_"
+    for refuse in (check_header, decode_video):
+        with pytest.raises(VideoTooBig, match=expected):
+            refuse(data)
+    assert opens.count == 0
+    # As many as the limit pass the tables' check (what FFmpeg finds then is for the others).
+    at_limit = sample_table_bomb_mp4(samples=36_000, fmt=fmt, track=track)
+    video._check_sample_tables(at_limit, VideoLimits(max_frames=36_000))
+
+
+def test_a_fragment_declaring_millions_is_refused_before_ffmpeg_opens_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same in a fragmented MP4: 20 bytes of run (``trun``) declaring 60 million samples,
+    which FFmpeg indexes as it opens the file (2.4 GB). The fragments of a track count
+    together; an honest fragmented file decodes."""
+    opens = Calls(monkeypatch, "_opened")
+    with pytest.raises(VideoTooBig, match=r"fragments declare.* 60000000 samples.*\(video_"):
+        check_header(fragment_bomb_mp4())
+    assert opens.count == 0
+    honest = fragmented_mp4(40)  # ten fragments, one from each keyframe
+    video._check_sample_tables(honest, VideoLimits(max_frames=40))
+    with pytest.raises(VideoTooBig, match=r"fragments declare, for one track, 40 samples"):
+        video._check_sample_tables(honest, VideoLimits(max_frames=39))
+    assert decode_video(honest).total_frames == 40
+
+
+def box(kind: bytes, *payload: bytes) -> bytes:
+    body = b"".join(payload)
+    return struct.pack(">I", len(body) + 8) + kind + body
+
+
+@pytest.mark.parametrize(
+    ("handlers", "deltas", "counted"),
+    [
+        ((b"soun",), (1,), False),  # PCM: FFmpeg indexes it by chunk
+        ((b"soun",), (1024,), True),
+        ((b"vide",), (1,), True),
+        ((b"soun", b"vide"), (1,), True),  # two handlers: counted, whichever FFmpeg takes
+        ((b"vide", b"soun"), (1,), True),
+        ((b"soun",), (1, 1024), True),  # one of the time tables is not one tick a sample
+        ((b"soun",), (1024, 1), True),
+    ],
+)
+def test_a_track_is_counted_by_its_samples_unless_ffmpeg_indexes_it_by_chunk(
+    handlers: tuple[bytes, ...], deltas: tuple[int, ...], counted: bool
+) -> None:
+    tables = [box(b"stts", struct.pack(">IIII", 0, 1, 60_000_000, delta)) for delta in deltas]
+    sizes = box(b"stsz", struct.pack(">III", 0, 100, 60_000_000))
+    track = box(
+        b"trak",
+        box(
+            b"mdia",
+            *(box(b"hdlr", struct.pack(">II", 0, 0), kind, bytes(12)) for kind in handlers),
+            box(b"minf", box(b"stbl", *tables, sizes)),
+        ),
+    )
+    data = box(b"ftyp", b"isom") + box(b"moov", track)
+    if counted:
+        with pytest.raises(VideoTooBig, match="declares 60000000 samples"):
+            video._check_sample_tables(data, VideoLimits())
+    else:
+        video._check_sample_tables(data, VideoLimits())
+
+
+def test_the_boxes_walked_before_ffmpeg_opens_a_file_are_bounded() -> None:
+    """Four a frame of the frame limit, and 64 more: a file of millions of empty boxes is
+    refused after that many, not walked to its end in Python."""
+    limits = VideoLimits(max_frames=10)
+    empty = struct.pack(">I4s", 8, b"free")
+    video._check_sample_tables(empty * 104, limits)
+    with pytest.raises(VideoTooBig, match=r"more boxes.*\(video_max_total_frames\)"):
+        video._check_sample_tables(empty * 105, limits)
+    with pytest.raises(VideoTooBig, match="more boxes"):
+        check_header(empty * 8_000_000)  # 64 MB: refused after 144,064 of them
+
+
+def test_pcm_audio_is_not_counted_by_its_samples() -> None:
+    """Audio whose samples are one tick each (PCM) is indexed by chunk, not by sample: a
+    minute of 48 kHz PCM in a MOV is not refused for its 2,880,000 samples."""
+    buffer = io.BytesIO()
+    with av.open(buffer, "w", format="mov") as container:
+        stream = container.add_stream("libx264", rate=10)
+        assert isinstance(stream, av.VideoStream)
+        stream.width, stream.height, stream.pix_fmt = 16, 16, "yuv420p"
+        pcm = container.add_stream("pcm_s16le", rate=48000)
+        assert isinstance(pcm, av.AudioStream)
+        for index in range(600):
+            image = av.VideoFrame.from_ndarray(barcode(index, 16, 16), format="rgb24")
+            container.mux(stream.encode(image))
+        for second in range(60):
+            sound = av.AudioFrame.from_ndarray(
+                np.zeros((1, 48000), np.int16), format="s16", layout="mono"
+            )
+            sound.sample_rate, sound.pts = 48000, second * 48000
+            container.mux(pcm.encode(sound))
+        container.mux(stream.encode())
+        container.mux(pcm.encode())
+    decoded = decode_video(buffer.getvalue(), limits=VideoLimits(max_frames=600))
+    assert decoded.total_frames == 600
 
 
 def test_a_tiny_file_claiming_hours_is_refused_from_its_header(
@@ -333,7 +450,7 @@ def test_a_tiny_file_claiming_hours_is_refused_from_its_header(
     data = webm_duration(write(95, 24, 80, 48, fmt="webm", codec="libvpx-vp9"), 3 * 3600e3)
     assert len(data) < 10_000
     walks = Calls(monkeypatch, "_walk")
-    with pytest.raises(VideoTooBig, match=r"declares 10800\.0 seconds.*\(max_seconds\)"):
+    with pytest.raises(VideoTooBig, match=r"declares 10800\.0 seconds.*\(video_max_seconds\)"):
         decode_video(data)
     assert walks.count == 0
 
@@ -341,9 +458,9 @@ def test_a_tiny_file_claiming_hours_is_refused_from_its_header(
 @pytest.mark.parametrize(
     ("limits", "named_limit"),
     [
-        (VideoLimits(max_seconds=2.0), "max_seconds"),
-        (VideoLimits(max_frames=50), "max_frames"),
-        (VideoLimits(max_pixels=50 * 80 * 48), "max_pixels"),
+        (VideoLimits(max_seconds=2.0), "video_max_seconds"),
+        (VideoLimits(max_frames=50), "video_max_total_frames"),
+        (VideoLimits(max_pixels=50 * 80 * 48), "video_max_pixels"),
     ],
 )
 def test_a_header_understating_the_stream_is_caught_by_the_packet_walk(
@@ -373,7 +490,9 @@ def test_a_frame_larger_than_declared_is_stopped_while_decoding() -> None:
     header = av.open(io.BytesIO(data), mode="r", format="mpegts")
     assert (header.streams.video[0].width, header.streams.video[0].height) == (64, 48)
     header.close()
-    with pytest.raises(VideoTooBig, match="64x48 pixels but has one of 128x96"):
+    with pytest.raises(
+        VideoTooBig, match=r"64x48 pixels but has one of 128x96.*\(video_max_frame_pixels\)"
+    ):
         decode_video(data)
 
 
@@ -384,7 +503,9 @@ def test_a_decode_past_its_budget_is_stopped(monkeypatch: pytest.MonkeyPatch) ->
     ticks = iter(range(10**6))
     monkeypatch.setattr(video, "_cpu_clock", lambda: float(next(ticks)))
     decodes = Calls(monkeypatch, "_frames_at")
-    with pytest.raises(VideoTooBig, match=r"more than 30 CPU seconds.*\(budget_s\)"):
+    with pytest.raises(
+        VideoTooBig, match=r"more than 30 CPU seconds.*\(video_decode_cpu_seconds\)"
+    ):
         decode_video(data, limits=VideoLimits(budget_s=30.0))
     assert next(ticks) == 32  # the start, 31 packets, then this read
     assert decodes.count == 0
@@ -394,7 +515,7 @@ def test_the_budget_covers_the_decode(monkeypatch: pytest.MonkeyPatch) -> None:
     data = write(95, 24, gop=200)  # one keyframe: every frame up to the last is decoded
     ticks = iter(range(10**6))
     monkeypatch.setattr(video, "_cpu_clock", lambda: float(next(ticks)))
-    with pytest.raises(VideoTooBig, match=r"\(budget_s\)"):
+    with pytest.raises(VideoTooBig, match=r"\(video_decode_cpu_seconds\)"):
         decode_video(data, limits=VideoLimits(budget_s=95 + 50))  # the walk takes 95 reads
 
 

@@ -14,10 +14,8 @@ video placeholders the model's processor puts in a prompt.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import platform
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +24,7 @@ import pytest
 import torch
 import transformers as T
 
+from support.video_frames import SYNTHETIC, digest, pattern, recorded
 from trio_encode.encoder import EncoderSettings
 from trio_encode.encoder.video import (
     DecodedVideo,
@@ -36,9 +35,9 @@ from trio_encode.encoder.video import (
 from trio_encode.encoder.vlm import VLMVisionModel
 from trio_encode.encoder.vlm_video import (
     PROCESSOR_DEFAULTS,
+    QwenVideo,
     VideoPath,
     VideoPixels,
-    native_uint8_bilinear,
     patchify,
     processor_class,
     processor_frame_size,
@@ -162,6 +161,16 @@ def test_metadata_is_sglangs(tiny: Tiny) -> None:
         assert prepared.video_timestamps is None
 
 
+def test_the_recipe_is_the_sampling_the_resize_bounds_and_the_processor(tiny: Tiny) -> None:
+    family = tiny.video.family
+    assert isinstance(family, QwenVideo)
+    assert tiny.video.recipe == {
+        "sampling": asdict(FrameSampling()),
+        "pixels": asdict(VideoPixels()),
+        "processor": asdict(family.settings),
+    }
+
+
 def test_second_per_grid_follows_the_sampling_rate(tmp_path: Path) -> None:
     tiny = build("qwen2_5_vl", tmp_path)
     slow = VideoPath.for_model(tiny.video.vlm, tmp_path, FrameSampling(fps=0.5, min_frames=2))
@@ -261,52 +270,15 @@ def test_the_processor_class_is_the_one_transformers_picks(
     assert processor_class(model_type, saved) == name
 
 
-def pattern(count: int, height: int, width: int) -> torch.Tensor:
-    """``(count, 3, height, width)`` uint8 frames of fine, frame-dependent detail (no random
-    generator: the same bytes with any library version), where resize filters differ."""
-    t, c, y, x = np.meshgrid(
-        np.arange(count), np.arange(3), np.arange(height), np.arange(width), indexing="ij"
-    )
-    values = (x * 37 + y * 91 + c * 53 + t * 11 + x * y) % 256
-    return torch.from_numpy(values.astype(np.uint8))
-
-
-SYNTHETIC = DecodedVideo(
-    frames=pattern(6, 50, 90).permute(0, 2, 3, 1).contiguous().numpy(),
-    indices=(0, 2, 4, 7, 9, 11),
-    timestamps=(0.0, 0.5, 1.0, 1.75, 2.25, 2.75),
-    total_frames=12,
-    fps=4.0,
-    codec="h264",
-    width=90,
-    height=50,
-)
-"""Six decoded frames as :func:`decode_video` would give them, without a codec between."""
-
-
-def digest(tensor: torch.Tensor) -> str:
-    return hashlib.sha256(tensor.contiguous().numpy().tobytes()).hexdigest()[:16]
-
-
-# What torchvision 0.29.1 gave (torch 2.14.1; this code gives the same with torch 2.13), on
-# x86 CPUs with AVX2 or AVX-512 and without either (ATEN_CPU_CAPABILITY=default), where some
-# of torch's kernels round differently, and so does torchvision. Bilinear on uint8 runs on
-# the uint8 frames only where the CPU has AVX2; elsewhere in float32, as torchvision does.
-# The torchvision session holds these to torchvision itself.
+# What torchvision gave (see ``recorded``). Bilinear on uint8 runs on the uint8 frames only
+# where the CPU has AVX2; elsewhere in float32, as torchvision does. The torchvision session
+# holds these to torchvision itself.
 RESIZES = {
     "sglang": ("7d520cda976f77b5", "7d520cda976f77b5"),
     "sglang_down": ("0807916ccae59664", "0807916ccae59664"),
     "bicubic": ("4fc946f8e5482557", "4fc946f8e5482557"),
     "bilinear": ("360aa7fd8b69e646", "5999ca330ef6266c"),
 }
-
-
-def recorded(digests: tuple[str, str]) -> str:
-    """The digest recorded for this CPU: x86 with AVX2 or AVX-512, or without (others are
-    not recorded: the test says so rather than guess)."""
-    if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip(f"digests are recorded on x86 CPUs only, not {platform.machine()}")
-    return digests[0] if native_uint8_bilinear() else digests[1]
 
 
 def resized(step: str) -> torch.Tensor:
@@ -423,7 +395,8 @@ def assert_same_settings(ours: Any, processor: Any) -> None:
 @pytest.mark.video_processor
 def test_settings_are_the_video_processors(tiny: Tiny) -> None:
     processor = T.AutoVideoProcessor.from_pretrained(str(tiny.path), local_files_only=True)
-    ours = tiny.video.settings
+    assert isinstance(tiny.video.family, QwenVideo)
+    ours = tiny.video.family.settings
     assert_same_settings(ours, processor)
 
 

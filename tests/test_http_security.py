@@ -35,7 +35,7 @@ from trio_encode.encoder import backend as backend_module
 from trio_encode.encoder.cache import content_key
 from trio_encode.encoder.fetch import FetchPolicy
 from trio_encode.encoder.images import load_item
-from trio_encode.encoder.store import MooncakeEmbeddingStore, store_key
+from trio_encode.encoder.store import _HEADER, MooncakeEmbeddingStore, store_key
 from trio_encode.engine import Write
 from trio_encode.logs import KeyValueFormatter
 from trio_encode.receivers import ReceiverPolicy
@@ -589,8 +589,9 @@ async def test_a_store_entry_whose_bytes_were_overwritten_is_never_served(
             await harness.client.send("first", pool.session_id, first.address)
             await until(lambda: count("store_puts_total", result="stored") == 1)
             entry = await trio.to_thread.run_sync(stranger.get, key)
-            assert len(entry) == 8 + ROW
-            written = await trio.to_thread.run_sync(stranger.upsert, key, entry[:8] + b"\x07" * ROW)
+            assert len(entry) == 8 + _HEADER + ROW
+            overwritten = entry[: 8 + _HEADER] + b"\x07" * ROW
+            written = await trio.to_thread.run_sync(stranger.upsert, key, overwritten)
             assert written == 0
 
             again = await harness.client.encode("again", [image], receive_count=1)

@@ -12,6 +12,7 @@ from click.testing import CliRunner
 
 from trio_encode.cli import cli
 from trio_encode.encoder import EncoderSettings, ImageEncoder
+from trio_encode.testing.audio import write
 from trio_encode.testing.images import mixed_jpegs
 from trio_encode.testing.tiny_vlm import FAMILIES, family_named
 
@@ -31,10 +32,13 @@ async def test_a_tiny_model_of_each_family_is_served_from_its_directory(
     assert f"trio-encode serve --model {directory}" in result.output
     settings = EncoderSettings(model=directory, warmup=False, max_batch_wait=0.05)
     encoder = ImageEncoder.from_settings(settings)
-    images = mixed_jpegs(2, [(64, 48), (40, 90)])
+    if "IMAGE" in encoder.modalities:
+        items, modality = mixed_jpegs(2, [(64, 48), (40, 90)]), "IMAGE"
+    else:  # an audio model
+        items, modality = [write("wav", 16_000, 1.0), write("flac", 44_100, 2.5)], "AUDIO"
     async with trio.open_nursery() as nursery:
         await nursery.start(encoder.run)
-        embedding = await encoder.encode(images)
+        embedding = await encoder.encode(items, modality)
         nursery.cancel_scope.cancel()
     assert embedding.tensor.shape == (sum(embedding.image_lens), WIDTH.get(family, 64))
     assert len(embedding.image_lens) == 2

@@ -165,7 +165,7 @@ def rank_main(rank: int, conn: Any) -> None:
                 "checksums": parts,
                 "grids": {
                     name: None if extra.get(name) is None else extra[name].tolist()
-                    for name in ("img_grid_thw", "video_grid_thw")
+                    for name in GRID_NAMES.values()
                 },
                 "second_per_grid_ts": extra.get("second_per_grid_ts"),
             }
@@ -204,6 +204,25 @@ def mp4(seed: int, frames: int = 10, rate: int = 4) -> str:
 
     data = write_video(frames, rate, 64, 48, first=seed * 101)
     return "data:video/mp4;base64," + base64.b64encode(data).decode()
+
+
+def wav(seed: int, seconds: float = 1.5, rate: int = 16_000) -> str:
+    """A mono 16-bit WAV of a tone whose pitch follows the seed (the server resamples it to
+    the model's rate)."""
+    from trio_encode.testing.audio import tone, write
+
+    data = write("wav", rate, samples=tone(rate, seconds, pitch=220.0 + 55.0 * seed))
+    return "data:audio/wav;base64," + base64.b64encode(data).decode()
+
+
+BAD_AUDIO = (
+    "data:audio/wav;base64," + base64.b64encode(b"RIFF\x24\0\0\0WAVEfmt " + b"\0" * 40).decode()
+)
+"""A RIFF/WAVE header and nothing playable: found bad only when the clip is decoded."""
+
+
+GRID_NAMES = {"IMAGE": "img_grid_thw", "VIDEO": "video_grid_thw", "AUDIO": "audio_feature_lens"}
+"""Where SGLang's receiver hands its model processor each modality's grids."""
 
 
 BAD_VIDEO = "data:video/mp4;base64," + base64.b64encode(b"\0\0\0\x18ftypmp42" + b"\0" * 64).decode()
@@ -291,8 +310,10 @@ def images(*items: str) -> Items:
     return [("IMAGE", item) for item in items]
 
 
-SCENARIOS: list[tuple[str, Items, dict[str, list[int]], bool, bool]] = [
-    # name, items, items per server by modality, pulls before /encode, expect success
+Scenario = tuple[str, Items, dict[str, list[int]], bool, bool]
+"""Its name, items, items per server by modality, pulls before /encode, expect success."""
+
+VL_SCENARIOS: list[Scenario] = [
     ("one image", images(png(1)), {"IMAGE": [1, 0]}, False, True),
     ("several images", images(png(2), png(3), png(4)), {"IMAGE": [3, 0]}, False, True),
     ("two parts on two servers", images(png(5), png(6), png(7)), {"IMAGE": [2, 1]}, False, True),
@@ -317,6 +338,26 @@ SCENARIOS: list[tuple[str, Items, dict[str, list[int]], bool, bool]] = [
         "a bad video beside an image",
         [("IMAGE", png(13)), ("VIDEO", BAD_VIDEO)],
         {"IMAGE": [1, 0], "VIDEO": [0, 1]},
+        False,
+        False,
+    ),
+]
+
+
+AUDIO_SCENARIOS: list[Scenario] = [
+    ("one clip", [("AUDIO", wav(1))], {"AUDIO": [1, 0]}, False, True),
+    (
+        "three clips on two servers",
+        [("AUDIO", wav(2)), ("AUDIO", wav(3, seconds=4.0)), ("AUDIO", wav(4, rate=44_100))],
+        {"AUDIO": [2, 1]},
+        False,
+        True,
+    ),
+    ("pulls before /encode", [("AUDIO", wav(5)), ("AUDIO", wav(6))], {"AUDIO": [1, 1]}, True, True),
+    (
+        "a bad clip beside a good one",
+        [("AUDIO", wav(7)), ("AUDIO", BAD_AUDIO)],
+        {"AUDIO": [1, 1]},
         False,
         False,
     ),
@@ -361,8 +402,11 @@ def run_scenario(
                         urls[server], of_modality[offset : offset + count], tag, modality
                     )
                     expected.append(str(answer["checksum"]))
-                    key = "img_grid_thw" if modality == "IMAGE" else "video_grid_thw"
-                    grids[key] = (grids.get(key) or []) + answer["grid_dim"]
+                    key = GRID_NAMES[modality]
+                    grid = answer["grid_dim"]
+                    if modality == "AUDIO":  # SGLang's receiver flattens audio's lengths
+                        grid = [value for row in grid for value in row]
+                    grids[key] = (grids.get(key) or []) + grid
                     seconds += answer.get("second_per_grid_ts", [])
                     offset += count
         if outcome["dispatch"] is not None:
@@ -398,17 +442,42 @@ def run_scenario(
     return [f"TP={tp} {name}: {p}" for p in problems]
 
 
-def main() -> int:
-    tps = [int(tp) for tp in (sys.argv[1:] or ["2", "4"])]
+DEPLOYMENTS: list[tuple[str, list[Scenario]]] = [
+    ("qwen2_5_vl", VL_SCENARIOS),
+    ("qwen2_audio", AUDIO_SCENARIOS),
+]
+"""Each model served by two servers in turn, with the scenarios its modalities allow."""
+
+
+def serve_model(model_type: str) -> tuple[list[str], list[subprocess.Popen[bytes]]]:
+    """Two ready servers of a tiny random-weight model of this family."""
     ports = [free_port(), free_port()]
     urls = [f"http://{HOST}:{port}" for port in ports]
-    model = tempfile.mkdtemp(prefix="tiny-qwen2_5_vl-")
+    model = tempfile.mkdtemp(prefix=f"tiny-{model_type}-")
     subprocess.run(
-        [sys.executable, "-m", "trio_encode", "make-tiny-model", "qwen2_5_vl", model],
+        [sys.executable, "-m", "trio_encode", "make-tiny-model", model_type, model],
         check=True,
         env=SERVER_ENV,
     )
     servers = [start_server(port, model) for port in ports]
+    try:
+        for url in urls:
+            wait_ready(url)
+    except BaseException:
+        stop(servers)
+        raise
+    return urls, servers
+
+
+def stop(servers: list[subprocess.Popen[bytes]]) -> None:
+    for server in servers:
+        server.terminate()
+    for server in servers:
+        server.wait(timeout=60)
+
+
+def main() -> int:
+    tps = [int(tp) for tp in (sys.argv[1:] or ["2", "4"])]
     spawn = mp.get_context("spawn")
     pipes = [spawn.Pipe() for _ in range(max(tps))]
     processes = [
@@ -420,22 +489,24 @@ def main() -> int:
         for process in processes:
             process.start()
         ranks = [parent for parent, _ in pipes]
-        for url in urls:
-            wait_ready(url)
         for conn in ranks:
             if not conn.poll(600):
                 raise RuntimeError("a rank process did not start")
             conn.recv()
-        for tp in tps:
-            for number, scenario in enumerate(SCENARIOS):
-                problems += run_scenario(ranks, urls, tp, number, scenario)
+        number = 0
+        for model_type, scenarios in DEPLOYMENTS:
+            print(f"-- {model_type}", flush=True)
+            urls, servers = serve_model(model_type)
+            try:
+                for tp in tps:
+                    for scenario in scenarios:
+                        problems += run_scenario(ranks, urls, tp, number, scenario)
+                        number += 1
+            finally:
+                stop(servers)
         for conn in ranks:
             conn.send(None)
     finally:
-        for server in servers:
-            server.terminate()
-        for server in servers:
-            server.wait(timeout=60)
         for process in processes:
             process.join(timeout=30)
     for problem in problems:

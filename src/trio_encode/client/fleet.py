@@ -173,9 +173,14 @@ class FleetClient:
             await client.aclose()
         self._clients.clear()
 
-    def ranking(self, mm_items: Sequence[str], req_id: str = "") -> list[str]:
-        """The encoders in the order a request tries them now."""
-        key = content_digest(mm_items) if self.route_by == "content" else request_digest(req_id)
+    def ranking(
+        self, mm_items: Sequence[str], req_id: str = "", modality: str = "IMAGE"
+    ) -> list[str]:
+        """The encoders in the order a request (a part of ``modality``) tries them now."""
+        if self.route_by == "content":
+            key = content_digest(mm_items, modality)
+        else:
+            key = request_digest(req_id)
         return self.health.order(rank(self.encoders.current(), key))
 
     async def encode_and_send(
@@ -200,7 +205,7 @@ class FleetClient:
         :class:`~trio_encode.client.PoolExhausted` when ``pool`` has no room (quarantined
         slots included); no slot is left allocated then.
         """
-        order = self.ranking(mm_items, req_id)
+        order = self.ranking(mm_items, req_id, echo.get("modality", "IMAGE"))
         self.health.forget(order)
         slot: LandingSlot | None = None
         size: int | None = None

@@ -19,9 +19,17 @@ import hashlib
 from collections.abc import Iterable, Sequence
 
 
-def content_digest(mm_items: Sequence[str]) -> bytes:
-    """The routing key of a request: a digest of its ``mm_items`` in order."""
+def content_digest(mm_items: Sequence[str], modality: str = "IMAGE") -> bytes:
+    """The routing key of a request: a digest of its ``mm_items`` in order and, for a part
+    of another modality than ``IMAGE`` (a ``VIDEO`` part), of that modality. The same items
+    sent as another modality are other rows (the encoders key them apart), so they route on
+    their own; an image part's key is the items' alone."""
     digest = hashlib.blake2b(digest_size=16)
+    if modality != "IMAGE":
+        # Personalised, so no item's digest can stand for a modality's.
+        digest.update(
+            hashlib.blake2b(modality.encode(), digest_size=16, person=b"modality").digest()
+        )
     for item in mm_items:
         # Each item's own digest, so no two different lists can concatenate to the same bytes.
         digest.update(hashlib.blake2b(item.encode(), digest_size=16).digest())

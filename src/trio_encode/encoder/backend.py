@@ -18,6 +18,9 @@ import torch
 from trio_encode.encoder.images import Preprocess, decode_image
 from trio_encode.request_types import Grid
 
+ItemMeta = tuple[tuple[str, float | list[float]], ...]
+"""An item's metadata beside its rows, by name, in the order SGLang writes it."""
+
 
 @dataclass(frozen=True, eq=False)
 class Prepared:
@@ -33,6 +36,12 @@ class Prepared:
     size: tuple[int, int] | None = None
     """``(height, width)`` before preprocessing, for models whose features depend on it
     (LLaVA-OneVision's tiles and unpadding)."""
+
+    @property
+    def meta(self) -> ItemMeta:
+        """What SGLang's prefill reads beside the rows, by name (a video's timestamps); an
+        image has none."""
+        return ()
 
 
 @runtime_checkable

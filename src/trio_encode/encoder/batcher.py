@@ -32,20 +32,29 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TypeVar
+from typing import TypeVar, cast
 
+import numpy as np
 import torch
 import trio
 from PIL import Image
 
 from trio_encode.arena import Segment
 from trio_encode.embedding import tensor_checksum
+from trio_encode.encoder.audio import AudioLimits, DecodedAudio, decode_audio
 from trio_encode.encoder.backend import Prepared, VisionModel
 from trio_encode.encoder.cache import CacheKey
-from trio_encode.encoder.keeping import EmbeddingKeeper, Kept, ThreadRunner, release_segments
+from trio_encode.encoder.keeping import (
+    EmbeddingKeeper,
+    Kept,
+    ThreadRunner,
+    release_segments,
+    worker_threads,
+)
 from trio_encode.encoder.observer import EncoderObserver
 from trio_encode.encoder.settings import EncoderSettings
-from trio_encode.encoder.video import decode_video
+from trio_encode.encoder.video import VideoLimits, check_header, decode_video
+from trio_encode.encoder.vlm_audio import AudioPath, PreparedAudio
 from trio_encode.encoder.vlm_video import PreparedVideo, VideoPath
 from trio_encode.errors import (
     EncodeFailed,
@@ -127,15 +136,30 @@ class Batcher:
         in_worker_thread: ThreadRunner,
         run_forward: ThreadRunner | None = None,
         video: VideoPath | None = None,
+        audio: AudioPath | None = None,
+        images: bool = True,
+        run_media_decode: ThreadRunner | None = None,
     ) -> None:
         self.model = model
+        self.images = images
+        """Whether the model takes images (an audio model's does not)."""
         self.video = video
-        """The model's video path (None: the model encodes images only)."""
+        """The model's video path (None: the model encodes no videos)."""
+        self.audio = audio
+        """The model's audio path (None: the model encodes no audio)."""
+        self.video_limits = VideoLimits.from_settings(settings)
+        """What one video may cost to decode (the settings' ``video_*`` limits)."""
+        self.audio_limits = AudioLimits()
+        """What one audio clip may cost to decode."""
         self.settings = settings
         self.observer = observer
         self.keeper = keeper
         self.in_worker_thread = in_worker_thread
         """Runs a request's decode (one image a call) in the worker threads."""
+        self.in_media_thread = run_media_decode or worker_threads(settings.media_decode_threads)
+        """Runs a video's or an audio clip's decode (one a call) in threads of its own: a
+        video may hold one for seconds, and the images of other requests must not wait
+        behind it."""
         # The forward has threads of its own: it must never wait behind transfers or decodes.
         self._forward_limiter = trio.CapacityLimiter(1)
         self._run_forward: ThreadRunner = run_forward or self._forward_in_thread
@@ -177,14 +201,14 @@ class Batcher:
         missing: Sequence[int],
         rows: list[Kept | None],
         *,
-        videos: bool = False,
+        modality: str = "IMAGE",
     ) -> None:
         """Fill ``rows[i]`` for each of ``missing`` with ``items[i]``'s row (one lease each on
         a segment, the caller's to give back): joining the job of an image already queued or
-        in a forward, queueing one for each other image. ``videos``: the items are videos
-        (the model must have a video path). Raises :class:`Overloaded` when the queue has no
-        room for the new items, :class:`InvalidInput` when one cannot be decoded, or what the
-        forward failed with."""
+        in a forward, queueing one for each other image. ``modality``: SGLang's name of what
+        the items are (the model must have that modality's path). Raises :class:`Overloaded`
+        when the queue has no room for the new items, :class:`InvalidInput` when one cannot be
+        decoded, or what the forward failed with."""
         shared = [i for i in missing if keys[i] in self._in_flight]
         own = [i for i in missing if keys[i] not in self._in_flight]
         to_decode: dict[CacheKey, int] = {}  # one index per new image; duplicates share it
@@ -203,7 +227,7 @@ class Batcher:
             for index in shared:
                 _wait_for(self._in_flight[keys[index]], request, index)
             if to_decode:
-                prepared = await self._decode(items, list(to_decode.values()), videos)
+                prepared = await self._decode(items, list(to_decode.values()), modality)
                 room = await self.keeper.reserve([image.tokens for image in prepared])
                 try:
                     # A caller cancelled while its decode thread ran learns that first; only a
@@ -225,31 +249,49 @@ class Batcher:
             raise request.error
 
     async def _decode(
-        self, items: Sequence[bytes], indices: list[int], videos: bool = False
+        self, items: Sequence[bytes], indices: list[int], modality: str = "IMAGE"
     ) -> list[Prepared]:
         """``items[i]`` prepared for the model, for each of ``indices``, decoded in a worker
-        thread while their places in the queue are held, so concurrent admissions count them."""
+        thread (a media thread for a video or an audio clip) while their places in the queue
+        are held, so concurrent admissions count them."""
         self._reserved += len(indices)
+        run = self.in_worker_thread if modality == "IMAGE" else self.in_media_thread
         try:
+            if modality == "VIDEO":  # what the headers refuse is refused now, not after queued ones
+                for index in indices:
+                    await self.in_worker_thread(partial(self._check_header, items[index], index))
             # One image per thread call: the worker threads' limiter is first come, first
             # served, so concurrent requests take turns image by image and a request of many
             # large images cannot hold the threads while another's single image waits.
             return [
-                await self.in_worker_thread(partial(self._decode_one, items[index], index, videos))
+                await run(partial(self._decode_one, items[index], index, modality))
                 for index in indices
             ]
         finally:
             self._reserved -= len(indices)
 
-    def _decode_one(self, data: bytes, index: int, video: bool = False) -> Prepared:
-        """In a worker thread: one image (or video) prepared for the model."""
+    def _check_header(self, data: bytes, index: int) -> None:
+        """In a worker thread: refuse a video by its container's header (no packet read)."""
         try:
-            if video:
-                assert self.video is not None  # the front admits videos only with a path
-                return self.video.prepare(decode_video(data, self.video.sampling))
+            check_header(data, self.video_limits)
+        except InvalidInput as exc:  # its own class: a video over a limit stays a 413
+            raise type(exc)(f"mm_items[{index}]: {exc.message}") from None
+
+    def _decode_one(self, data: bytes, index: int, modality: str = "IMAGE") -> Prepared:
+        """In a worker thread: one image, video or audio clip prepared for the model (the
+        front admits a modality only with its path)."""
+        try:
+            if modality == "VIDEO":
+                assert self.video is not None
+                decoded = decode_video(data, self.video.sampling, self.video_limits)
+                return self.video.prepare(decoded)
+            if modality == "AUDIO":
+                assert self.audio is not None
+                clip = decode_audio(data, self.audio.sampling_rate, self.audio_limits)
+                return self.audio.prepare(clip)
             return self.model.decode(data, max_pixels=self.settings.max_image_pixels)
-        except InvalidInput as exc:
-            raise InvalidInput(f"mm_items[{index}]: {exc.message}") from None
+        except InvalidInput as exc:  # its own class: a video over a limit stays a 413
+            raise type(exc)(f"mm_items[{index}]: {exc.message}") from None
 
     def _queue_jobs(
         self,
@@ -297,7 +339,7 @@ class Batcher:
         if self._running:
             raise RuntimeError("Batcher.run is already running")
         if self.settings.warmup:
-            blank = await self.in_worker_thread(self._warmup_image)
+            blank = await self.in_worker_thread(self._warmup_item)
             await self._run_forward(partial(self._forward, [blank]))
         self._stopped = False
         self._running = True
@@ -316,8 +358,13 @@ class Batcher:
                 self._forget(job)
                 job.fail(ShuttingDown("the encoder stopped before this request ran"))
 
-    def _warmup_image(self) -> Prepared:
-        """A blank 224 px PNG, prepared as a request's image would be."""
+    def _warmup_item(self) -> Prepared:
+        """A blank 224 px PNG, prepared as a request's image would be; for a model that takes
+        no images, a second of silence prepared as an audio clip."""
+        if not self.images and self.audio is not None:
+            rate = self.audio.sampling_rate
+            silence = DecodedAudio(np.zeros(rate, dtype=np.float32), rate, "pcm_f32le", rate, 1)
+            return self.audio.prepare(silence)
         png = io.BytesIO()
         Image.new("RGB", (224, 224)).save(png, format="PNG")
         return self.model.decode(png.getvalue(), max_pixels=self.settings.max_image_pixels)
@@ -395,11 +442,8 @@ class Batcher:
         self.observer.batch_finished(len(batch), seconds, ok=True)
         for job, row, segment, checksum in zip(batch, rows, targets, checksums, strict=True):
             self._forget(job)
-            if isinstance(job.image, PreparedVideo):  # not kept: a hit would lack its metadata
-                kept = Kept(row, job.image.grid, checksum, segment, job.image.meta)
-            else:
-                kept = Kept(row, job.image.grid, checksum, segment)
-                self.keeper.keep(job.key, kept)
+            kept = Kept(row, job.image.grid, checksum, segment, job.image.meta)
+            self.keeper.keep(job.key, kept)  # with its metadata: a hit answers as this did
             job.deliver(kept)
         release_segments(targets)  # the forward's own leases; the waiters hold theirs
         self.keeper.report_size()
@@ -460,23 +504,30 @@ class Batcher:
         return rows, checksums, time.perf_counter() - start
 
     def _encode(self, items: list[Prepared]) -> list[torch.Tensor]:
-        """The model's rows for each item, in order: its images in one forward of the image
-        path, its videos in one of the video path."""
-        videos = [index for index, item in enumerate(items) if isinstance(item, PreparedVideo)]
-        if not videos:
-            return self.model.encode(items)
-        assert self.video is not None
-        images = [index for index, item in enumerate(items) if not isinstance(item, PreparedVideo)]
+        """The model's rows for each item, in order: one forward of each modality's path for
+        that modality's items (its images, its videos, its audio clips)."""
+        by_path: dict[Callable[[list[Prepared]], list[torch.Tensor]], list[int]] = {}
+        for index, item in enumerate(items):
+            by_path.setdefault(self._features_of(item), []).append(index)
+        if len(by_path) == 1:
+            [features] = by_path
+            return features(items)
         outs: list[torch.Tensor | None] = [None] * len(items)
-        clips = [item for item in items if isinstance(item, PreparedVideo)]
-        for index, out in zip(videos, self.video.features(clips), strict=True):
-            outs[index] = out
-        if images:
-            for index, out in zip(
-                images, self.model.encode([items[i] for i in images]), strict=True
-            ):
+        for features, indices in by_path.items():
+            for index, out in zip(indices, features([items[i] for i in indices]), strict=True):
                 outs[index] = out
         return [out for out in outs if out is not None]
+
+    def _features_of(self, item: Prepared) -> Callable[[list[Prepared]], list[torch.Tensor]]:
+        """The forward that encodes ``item``: its modality's path (the batch is one model's,
+        so only the front's admission decides which paths occur)."""
+        if isinstance(item, PreparedVideo):
+            assert self.video is not None
+            return cast(Callable[[list[Prepared]], list[torch.Tensor]], self.video.features)
+        if isinstance(item, PreparedAudio):
+            assert self.audio is not None
+            return cast(Callable[[list[Prepared]], list[torch.Tensor]], self.audio.features)
+        return self.model.encode
 
     async def _forward_in_thread(self, fn: Callable[[], T]) -> T:
         return await trio.to_thread.run_sync(fn, limiter=self._forward_limiter)

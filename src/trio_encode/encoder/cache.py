@@ -1,4 +1,8 @@
-"""Embeddings of images already seen, keyed by content, bounded in bytes, evicted LRU.
+"""Embeddings of items already seen, keyed by content, bounded in bytes, evicted LRU.
+
+An item's key (:func:`content_key`) names everything its rows depend on besides the model's
+fingerprint: its bytes, its modality (the same bytes as an image and as a video are different
+rows) and its recipe (how its bytes became the model's input: a video's frame sampling).
 
 A hit returns the very tensor that was stored, not a copy: two requests for one image then
 share memory, which the request lifecycle must handle (register once per address range).
@@ -18,18 +22,28 @@ from dataclasses import dataclass
 
 import torch
 
+from trio_encode.encoder.backend import ItemMeta
 from trio_encode.request_types import Grid
 
 
 @dataclass(frozen=True)
 class CacheKey:
+    """What one item's kept row is found by: locally, in flight, and in the store."""
+
     model_id: str
     sha256: str
+    """Of the item's encoded bytes."""
+    modality: str = "IMAGE"
+    """SGLang's modality the item was sent as (``IMAGE``, ``VIDEO``, ...)."""
+    recipe: str = ""
+    """A digest of the settings that turn the item's bytes into the model's input beyond the
+    model itself (a video's frame sampling and resize bounds); empty where there are none."""
 
 
-def content_key(model_id: str, data: bytes) -> CacheKey:
-    """The key of an image: its model, and the sha256 of its encoded bytes."""
-    return CacheKey(model_id, hashlib.sha256(data).hexdigest())
+def content_key(model_id: str, data: bytes, modality: str = "IMAGE", recipe: str = "") -> CacheKey:
+    """The key of an item: its model, the sha256 of its encoded bytes, its modality and its
+    modality's recipe (the one place a key is made)."""
+    return CacheKey(model_id, hashlib.sha256(data).hexdigest(), modality, recipe)
 
 
 class EmbeddingCache:
@@ -44,6 +58,7 @@ class EmbeddingCache:
         self.max_bytes = max_bytes
         self._entries: OrderedDict[CacheKey, torch.Tensor] = OrderedDict()
         self._grids: dict[CacheKey, Grid] = {}  # for the entries whose image has a grid
+        self._meta: dict[CacheKey, ItemMeta] = {}  # for the entries whose item has metadata
         self._digests: dict[CacheKey, str] = {}  # each entry's checksum when it was written
         # storage address -> [bytes of the storage, entries that keep it alive]
         self._storages: dict[int, list[int]] = {}
@@ -70,16 +85,25 @@ class EmbeddingCache:
         """The grid kept with ``key``'s entry (None: none, or no entry)."""
         return self._grids.get(key)
 
+    def meta(self, key: CacheKey) -> ItemMeta:
+        """The metadata kept with ``key``'s entry (empty: none, or no entry)."""
+        return self._meta.get(key, ())
+
     def digest(self, key: CacheKey) -> str | None:
         """The checksum of ``key``'s entry when it was written (None: no entry)."""
         return self._digests.get(key)
 
     def put(
-        self, key: CacheKey, tensor: torch.Tensor, digest: str, grid: Grid | None = None
+        self,
+        key: CacheKey,
+        tensor: torch.Tensor,
+        digest: str,
+        grid: Grid | None = None,
+        meta: ItemMeta = (),
     ) -> None:
-        """Keep ``tensor``, the checksum of its bytes as written (``digest``) and its image's
-        ``grid`` (an existing entry for ``key`` wins), then evict least recently used entries
-        until the bound holds. A tensor bigger than the bound is not kept."""
+        """Keep ``tensor``, the checksum of its bytes as written (``digest``), its item's
+        ``grid`` and ``meta`` (an existing entry for ``key`` wins), then evict least recently
+        used entries until the bound holds. A tensor bigger than the bound is not kept."""
         if key in self._entries:
             self._entries.move_to_end(key)
             return
@@ -90,6 +114,8 @@ class EmbeddingCache:
         self._digests[key] = digest
         if grid is not None:
             self._grids[key] = grid
+        if meta:
+            self._meta[key] = meta
         self._retain(storage.data_ptr(), storage.nbytes())
         while self._bytes > self.max_bytes:
             self._evict_oldest()
@@ -106,6 +132,7 @@ class EmbeddingCache:
     def clear(self) -> None:
         self._entries.clear()
         self._grids.clear()
+        self._meta.clear()
         self._digests.clear()
         self._storages.clear()
         self._bytes = 0
@@ -124,6 +151,7 @@ class EmbeddingCache:
 
     def _forget(self, key: CacheKey, tensor: torch.Tensor) -> None:
         self._grids.pop(key, None)
+        self._meta.pop(key, None)
         self._digests.pop(key, None)
         address = tensor.untyped_storage().data_ptr()
         held = self._storages[address]

@@ -5,6 +5,10 @@ the kind of model, its configuration, its dtype, its weights (and, because kerne
 torch release). The fingerprint digests all of these, and only these: not a file path or a
 host name, so the same model on every host of a cluster gets the same fingerprint, and a model
 that differs in any of them never does.
+
+Some rows also depend on settings outside the model: a video's rows on how its frames are
+sampled and resized. Those settings are an item's recipe (:func:`recipe_digest`), part of its
+key beside the fingerprint, so servers (or runs) that sample otherwise never share an entry.
 """
 
 from __future__ import annotations
@@ -43,4 +47,11 @@ def model_fingerprint(kind: str, config: Mapping[str, object], dtype: str, weigh
         "torch": torch.__version__,
     }
     text = json.dumps(facts, sort_keys=True, default=str)
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+def recipe_digest(settings: Mapping[str, object]) -> str:
+    """The recipe of a modality's items: a digest of the ``settings`` (anything JSON can
+    write, keys sorted) that turn an item's bytes into the model's input beyond the model."""
+    text = json.dumps(settings, sort_keys=True, default=str)
     return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()

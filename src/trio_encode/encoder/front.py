@@ -2,8 +2,9 @@
 
 :class:`ImageEncoder` is what the service calls. It loads a request's items (fetching
 ``http(s)`` ones under the fetch rules), checks them against the per-request limits, reads each
-image through the keeper (:mod:`trio_encode.encoder.keeping`: this encoder's arena or cache,
-then the cluster-wide store) and hands what the keeper misses to the batcher
+item through the keeper (:mod:`trio_encode.encoder.keeping`: this encoder's arena or cache,
+then the cluster-wide store), whatever its modality, by a key naming its modality and recipe
+(:func:`key_recipe`), and hands what the keeper misses to the batcher
 (:mod:`trio_encode.encoder.batcher`), which runs one forward pass for many requests and admits
 or refuses the images (a full queue is :class:`Overloaded`). The keeper then makes the
 request's embedding of the rows.
@@ -21,14 +22,15 @@ import trio
 
 from trio_encode.arena import Arena
 from trio_encode.embedding import DTYPE_NAMES, TORCH_DTYPES, Embedding, RowsEmbedding
+from trio_encode.encoder.audio import AUDIO_ITEMS
 from trio_encode.encoder.backend import FixedShape, VisionBackend, VisionModel, as_model
 from trio_encode.encoder.batcher import Batcher
 from trio_encode.encoder.cache import CacheKey, EmbeddingCache, content_key
 from trio_encode.encoder.fetch import FetchPolicy, RemoteFetcher, is_remote
-from trio_encode.encoder.images import ImageTooBig, image_pixels, load_item
+from trio_encode.encoder.fingerprint import recipe_digest
+from trio_encode.encoder.images import ImageTooBig, MediaKind, image_pixels, load_item
 from trio_encode.encoder.keeping import (
     EmbeddingKeeper,
-    Kept,
     ThreadRunner,
     release,
     worker_threads,
@@ -39,6 +41,7 @@ from trio_encode.encoder.settings import EncoderSettings
 from trio_encode.encoder.store import EmbeddingStore
 from trio_encode.encoder.video import VIDEO_ITEMS, FrameSampling
 from trio_encode.encoder.vlm import VLMVisionModel
+from trio_encode.encoder.vlm_audio import AudioPath
 from trio_encode.encoder.vlm_video import VideoPath
 from trio_encode.errors import InvalidInput
 
@@ -80,6 +83,7 @@ class ImageEncoder:
         store: EmbeddingStore | None = None,
         arena: Arena | None = None,
         video: VideoPath | None = None,
+        audio: AudioPath | None = None,
     ) -> None:
         self.backend = backend
         """The model as given."""
@@ -135,20 +139,20 @@ class ImageEncoder:
             in_worker_thread=self.in_worker_thread,
             run_forward=run_forward,
             video=video if video is not None else video_path_for(backend, self.settings),
+            audio=audio if audio is not None else audio_path_for(backend, self.settings),
+            images=takes_images(backend),
+            run_media_decode=run_decode,
         )
-        """Queues the images no forward is computing yet and runs them in batches."""
-        video = self.batcher.video
-        self.modalities = frozenset({"IMAGE", "VIDEO"} if video is not None else {"IMAGE"})
-        """SGLang's modalities this encoder serves (``VIDEO`` with a model's video path)."""
-        self._video_key = (
-            ""
-            if video is None
-            else (
-                f"|video:{video.sampling.fps},{video.sampling.min_frames},"
-                f"{video.sampling.max_frames}"
-            )
-        )
-        """Part of a video's cache key: the same bytes sampled otherwise are other rows."""
+        """Queues the items no forward is computing yet and runs them in batches."""
+        video, audio = self.batcher.video, self.batcher.audio
+        paths = {"IMAGE": takes_images(backend), "VIDEO": video, "AUDIO": audio}
+        self.modalities = frozenset(name for name, path in paths.items() if path)
+        """SGLang's modalities this encoder serves (``VIDEO``, ``AUDIO``: with the model's
+        path for it)."""
+        self.recipes = {
+            modality: key_recipe(modality, video, audio) for modality in self.modalities
+        }
+        """Each served modality's recipe, part of every key of its items."""
 
     @classmethod
     def from_settings(
@@ -213,8 +217,8 @@ class ImageEncoder:
         An entry repeated in one request is loaded once."""
         self._check_modality(modality)
         self._check_image_count(len(items))
-        if modality == "VIDEO":
-            return await self._load_videos(items)
+        if modality != "IMAGE":
+            return await self._load_media(items, MEDIA_ITEMS[modality])
         limits = self.settings
         first: dict[str, int] = {}
         for index, item in enumerate(items):
@@ -247,9 +251,10 @@ class ImageEncoder:
             loaded[item] = data
         return [loaded[item] for item in items]
 
-    async def _load_videos(self, items: Sequence[str]) -> list[bytes]:
-        """Each video's bytes, within what is left of ``max_request_bytes`` (a fetched one
-        also within the fetch rules' bytes)."""
+    async def _load_media(self, items: Sequence[str], kind: MediaKind) -> list[bytes]:
+        """Each video's or audio clip's bytes, within what is left of ``max_request_bytes`` (a
+        fetched one also within the fetch rules' bytes); their limits are checked from their
+        containers' headers when they are decoded."""
         loaded: dict[str, bytes] = {}
         bytes_left = self.settings.max_request_bytes
         for index, item in enumerate(items):
@@ -265,7 +270,7 @@ class ImageEncoder:
                             item,
                             max_bytes=bytes_left,
                             media_dir=self.settings.media_dir,
-                            kind=VIDEO_ITEMS,
+                            kind=kind,
                         )
                     )
             except InvalidInput as exc:  # too big: the message names what was left
@@ -304,17 +309,15 @@ class ImageEncoder:
             raise self.batcher.refusal()
         self._check_modality(modality)
         self._check_image_count(len(items))
-        videos = modality == "VIDEO"
-        model_id = self.model.model_id + (self._video_key if videos else "")
-        keys = await self.in_worker_thread(partial(content_keys, model_id, items))
-        rows: list[Kept | None] = [None] * len(items)
-        if not videos:  # videos are not kept: a kept row would come back without its metadata
-            rows = await self.keeper.find(keys, self.batcher.in_flight)
+        keys = await self.in_worker_thread(
+            partial(content_keys, self.model.model_id, modality, self.recipes[modality], items)
+        )
+        rows = await self.keeper.find(keys, self.batcher.in_flight)
         handed_over = False
         try:
             missing = [index for index, kept in enumerate(rows) if kept is None]
             if missing:
-                await self.batcher.encode(items, keys, missing, rows, videos=videos)
+                await self.batcher.encode(items, keys, missing, rows, modality=modality)
             found = [kept for kept in rows if kept is not None]
             embedding = await self.keeper.embedding(found, modality)
             handed_over = True  # the arena leases of the rows that lie there are its now
@@ -345,9 +348,42 @@ def video_path_for(model: object, settings: EncoderSettings) -> VideoPath | None
     return VideoPath.for_model(model, settings.model, sampling)
 
 
-def content_keys(model_id: str, items: Sequence[bytes]) -> list[CacheKey]:
-    """In a worker thread: each image's key (it hashes every byte)."""
-    return [content_key(model_id, data) for data in items]
+def takes_images(model: object) -> bool:
+    """Whether the model encodes images (an audio model's family does not)."""
+    return not isinstance(model, VLMVisionModel) or model.family.images
+
+
+def audio_path_for(model: object, settings: EncoderSettings) -> AudioPath | None:
+    """The audio path of a model served from ``settings.model`` that has one; None for any
+    other model."""
+    if not isinstance(model, VLMVisionModel) or settings.model is None:
+        return None
+    return AudioPath.for_model(model, settings.model)
+
+
+MEDIA_ITEMS = {"VIDEO": VIDEO_ITEMS, "AUDIO": AUDIO_ITEMS}
+"""What each modality's items other than images may be (media types, file suffixes)."""
+
+
+def key_recipe(modality: str, video: VideoPath | None, audio: AudioPath | None = None) -> str:
+    """The recipe in the keys of a modality's items: a digest of what turns their bytes into
+    the model's input beyond the model (whose fingerprint is in every store key already). For
+    a video, its path's recipe (the frame sampling, the family's resize and processor
+    settings): the same bytes sampled or resized otherwise are other rows, never to share an
+    entry; for an audio clip, its path's (the rate it is resampled to, the extractor's
+    padding). Empty for an image (its preprocessing is the model's)."""
+    if modality == "VIDEO" and video is not None:
+        return recipe_digest(video.recipe)
+    if modality == "AUDIO" and audio is not None:
+        return recipe_digest(audio.recipe)
+    return ""
+
+
+def content_keys(
+    model_id: str, modality: str, recipe: str, items: Sequence[bytes]
+) -> list[CacheKey]:
+    """In a worker thread: each item's key (it hashes every byte)."""
+    return [content_key(model_id, data, modality, recipe) for data in items]
 
 
 def _request_too_big(index: int, limit: int) -> str:

@@ -5,8 +5,11 @@ Two levels, nearest first. The local one is the registered arena when there is o
 otherwise (:class:`~trio_encode.encoder.cache.EmbeddingCache`); the second is the cluster-wide
 store (:mod:`trio_encode.encoder.store`), shared by every encoder of a fleet. The batcher writes
 each row a forward computes through :meth:`EmbeddingKeeper.keep`, once; the front reads a
-request's images through :meth:`EmbeddingKeeper.find`, once, encodes what both levels miss and
-has :meth:`EmbeddingKeeper.embedding` make the request's embedding of the rows.
+request's items through :meth:`EmbeddingKeeper.find`, once, encodes what both levels miss and
+has :meth:`EmbeddingKeeper.embedding` make the request's embedding of the rows. Every modality
+is kept alike: an item's key names its modality and recipe (:class:`CacheKey`), and its row is
+kept with its grid and metadata (a video's timestamps), at both levels, so a hit answers
+exactly as the forward did.
 
 Kept memory is registered with the transfer engine (the arena for the server's life, a cached
 row while a request sends it), so whoever reaches the engine's port can write it. So every
@@ -32,7 +35,7 @@ import trio
 
 from trio_encode.arena import Arena, Segment
 from trio_encode.embedding import ArenaEmbedding, Embedding, RowsEmbedding, tensor_checksum
-from trio_encode.encoder.backend import VisionModel
+from trio_encode.encoder.backend import ItemMeta, VisionModel
 from trio_encode.encoder.cache import CacheKey, EmbeddingCache
 from trio_encode.encoder.observer import EncoderObserver
 from trio_encode.encoder.store import EmbeddingStore, store_key
@@ -56,7 +59,7 @@ class ThreadRunner(Protocol):
 
 @dataclass(frozen=True, eq=False)
 class Kept:
-    """One image's embedding row as the encoder holds it."""
+    """One item's (an image's, a video's) embedding row as the encoder holds it."""
 
     row: torch.Tensor
     """``(tokens, hidden)``, contiguous, on the CPU (a view of ``segment`` when it has one)."""
@@ -67,9 +70,9 @@ class Kept:
     row, so none was computed)."""
     segment: Segment | None = None
     """The arena segment the row lies in. Whoever holds this record holds one lease on it."""
-    meta: tuple[tuple[str, float | list[float]], ...] = ()
-    """What SGLang's prefill reads beside a video's row (its timestamps or seconds per
-    grid), by name; empty for an image."""
+    meta: ItemMeta = ()
+    """What SGLang's prefill reads beside the row (a video's timestamps or seconds per grid),
+    by name; kept with the row at every level, so a hit answers as the forward did."""
 
 
 def release(kept: Iterable[Kept | None]) -> None:
@@ -171,11 +174,11 @@ class _InMemory:
         row = self.cache.get(key)
         if row is None:
             return None
-        return Kept(row, self.cache.grid(key), self.cache.digest(key))
+        return Kept(row, self.cache.grid(key), self.cache.digest(key), meta=self.cache.meta(key))
 
     def keep(self, key: CacheKey, kept: Kept) -> Kept:
         assert kept.checksum is not None
-        self.cache.put(key, kept.row, kept.checksum, kept.grid)
+        self.cache.put(key, kept.row, kept.checksum, kept.grid, kept.meta)
         return kept
 
     def drop(self, key: CacheKey, kept: Kept) -> bool:
@@ -191,7 +194,8 @@ class _StoreRead:
 
     done: trio.Event = field(default_factory=trio.Event)
     found: Kept | None = None
-    """The row read, with the checksum the store found it to match (None: not found)."""
+    """The row read, with the checksum the store found it to match and the grid and metadata
+    stored with it (None: not found)."""
 
 
 class EmbeddingKeeper:
@@ -297,7 +301,14 @@ class EmbeddingKeeper:
         if segment is not None:
             segment.arena.lease(segment)
             done = partial(segment.arena.release, segment)
-        self.store.put(store_key(self.model.fingerprint, key), kept.row, kept.checksum, done)
+        self.store.put(
+            store_key(self.model.fingerprint, key),
+            kept.row,
+            kept.checksum,
+            done,
+            grid=kept.grid,
+            meta=kept.meta,
+        )
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -370,8 +381,10 @@ class EmbeddingKeeper:
                 fingerprint = self.model.fingerprint
                 found = await self.store.get([store_key(fingerprint, k) for k in reads], into)
                 # A miss's tensor may still be written by an abandoned read: it is dropped.
-                for read, row, checksum in zip(reads.values(), into, found, strict=True):
-                    read.found = Kept(row, None, checksum) if checksum is not None else None
+                for read, row, hit in zip(reads.values(), into, found, strict=True):
+                    read.found = (
+                        None if hit is None else Kept(row, hit.grid, hit.checksum, None, hit.meta)
+                    )
         finally:
             # Whatever happened (a cancelled caller too), those waiting on these reads go on.
             for key, read in reads.items():
@@ -417,7 +430,7 @@ class EmbeddingKeeper:
             raise
         # Recorded with the checksum the store's entry was checked against, not one of the
         # copy: a write into the segment meanwhile is caught by the next hit, not recorded.
-        copied = Kept(row, stored.grid, stored.checksum, segment)
+        copied = Kept(row, stored.grid, stored.checksum, segment, stored.meta)
         kept = self.local.keep(key, copied)
         if kept is not copied and kept.segment is not None:  # another request kept it first
             kept.segment.arena.lease(kept.segment)

@@ -17,7 +17,7 @@ from pydantic import AfterValidator, BeforeValidator, model_validator
 from pydantic.dataclasses import dataclass
 
 from trio_encode.declare import SETTINGS, comma_separated, in_group, secret_in_file
-from trio_encode.sizes import ByteSize, MiB
+from trio_encode.sizes import ByteSize, GiB, MiB
 
 DType = Literal["float32", "bfloat16", "float16"]
 """The dtypes a model runs in and its embeddings are sent as."""
@@ -70,6 +70,16 @@ Networks = Annotated[
 
 VIDEO_FPS, VIDEO_MIN_FRAMES, VIDEO_MAX_FRAMES = 2.0, 4, 768
 """SGLang's encoder's defaults for sampling a video's frames."""
+
+VIDEO_MAX_SECONDS = 600.0
+VIDEO_MAX_TOTAL_FRAMES = 36_000
+VIDEO_MAX_FRAME_PIXELS = 3840 * 2160
+VIDEO_MAX_PIXELS = 10_000_000_000
+VIDEO_MAX_OUTPUT_BYTES = 1 * GiB
+VIDEO_DECODE_CPU_SECONDS = 20.0
+"""The defaults of the video limits (the ``video_max_*`` and ``video_decode_cpu_seconds``
+settings, whose docstrings say why), which are also those of
+:class:`~trio_encode.encoder.video.VideoLimits`."""
 
 model_setting = in_group("model")
 batching_setting = in_group("batching")
@@ -149,6 +159,11 @@ class EncoderSettings:
     torch_threads: int | None = batching_setting(None, gt=0)
     """torch.set_num_threads for the forward pass (default: torch's own, one per core). Lower it to
     leave cores to image decoding and the event loop."""
+    media_decode_threads: int = batching_setting(1, gt=0)
+    """Threads that decode videos and audio clips, apart from the two that load and decode
+    images, so an image never waits behind a video; clips beyond it wait their turn (a video its
+    container's header refuses is answered at once). Each holds up to the peak
+    video_max_output_bytes gives, so this bounds the server's memory for videos too."""
     warmup: bool = batching_setting(True)
     """Run one forward before reporting ready, so the first request pays no start-up cost."""
 
@@ -191,6 +206,33 @@ class EncoderSettings:
     max_request_pixels: int = server_setting(100_000_000, gt=0)
     """Width x height of all of one request's images together, read from their headers before any is
     decoded, so one request cannot hold the decode threads for long."""
+    video_max_seconds: float = server_setting(VIDEO_MAX_SECONDS, gt=0)
+    """Duration of one video, declared by its container or spanned by its packets' timestamps;
+    longer ones get 413. Ten minutes: SGLang's sampling (2 frames a second, at most 768) stops
+    adding frames after 384 s, so a longer video only costs more to read."""
+    video_max_total_frames: int = server_setting(VIDEO_MAX_TOTAL_FRAMES, gt=0)
+    """Frames of one video's stream (SGLang's total_num_frames), declared or counted from its
+    packets; more get 413. Ten minutes at 60 frames a second. (video_max_frames is how many of
+    them the model sees.) Also the samples any track of an MP4 may declare, checked before
+    FFmpeg opens the file, as FFmpeg indexes every one."""
+    video_max_frame_pixels: int = server_setting(VIDEO_MAX_FRAME_PIXELS, gt=0)
+    """Width x height of a video's frames (4K UHD), declared or decoded; a frame of another size
+    than declared is refused too (413)."""
+    video_max_pixels: int = server_setting(VIDEO_MAX_PIXELS, gt=0)
+    """Frames x frame pixels of one video's whole stream, declared or counted (413 beyond): the
+    decoder's work when keyframes are far apart, as every frame from a keyframe to a chosen one
+    is decoded. About what one core decodes of H.264 within video_decode_cpu_seconds (500
+    million pixels a second): 160 s of 1080p at 30 frames a second, ten minutes of 540p."""
+    video_max_output_bytes: ByteSize = server_setting(VIDEO_MAX_OUTPUT_BYTES, gt=0)
+    """The decoded frames SGLang's sampling chooses from one video, as RGB at the video's own
+    size (frames x width x height x 3), checked before any frame is decoded (413 beyond). The
+    768 frames of a 480p video, or 172 frames (86 s at 2 a second) of 1080p; the model sees
+    them shrunk to 90 million pixels or fewer, but they are decoded whole first, and resized
+    all at once in float32: a video's decode peaks at about eight times its frames' bytes."""
+    video_decode_cpu_seconds: float = server_setting(VIDEO_DECODE_CPU_SECONDS, gt=0)
+    """CPU seconds one video's decode may take (reading its packets and decoding its frames,
+    counted on its own thread); it is stopped at the next packet or frame past it (413). With
+    one video decode thread, this is also what a video may keep the next one waiting."""
     media_dir: ExistingDir | None = server_setting(None)
     """Also accept mm_items that are paths of image files inside this directory (and nowhere
     else)."""

@@ -5,24 +5,29 @@ cache, then here, and only then is the forward run; after a forward it offers th
 here, so the next encoder asked for that image (a sibling that failed over, an encoder that
 joined, an image routed elsewhere) skips the forward.
 
-Keys are ``trio-encode/checked/<model fingerprint>/<sha256 of the image bytes>``
-(:mod:`trio_encode.encoder.fingerprint`): encoders with different models or dtypes never share
-an entry, the same model on every host always does.
+Keys are ``trio-encode/checked/v2/<model fingerprint>/<modality>/<recipe>/<sha256 of the
+item's bytes>`` (:func:`store_key`; :mod:`trio_encode.encoder.fingerprint`): encoders with
+different models or dtypes, items sent as different modalities, and videos sampled otherwise
+never share an entry; the same model and settings on every host always do.
 
-An entry is one object: the 8-byte XXH3-64 digest of the row, then the row, written by one put
-from two buffers (the digest recorded when the forward wrote the row, never recomputed from
-bytes that may have changed since). Every read compares the row it got with the digest it got
-with it, in the reading thread, before the row is used: an entry whose bytes and digest
+An entry is one object, written by one put from three buffers: the 8-byte XXH3-64 digest of the
+row (the digest recorded when the forward wrote the row, never recomputed from bytes that may
+have changed since), the row's description (``_HEADER`` bytes: its grid and the metadata
+SGLang's prefill reads beside it, with a tag over them, the entry's name and that digest),
+then the row. Every read compares the row it got with the digest it got with it, and the
+description with its tag, in the reading thread, before either is used: an entry whose parts
 disagree (written into through the store's own transfer port, torn, or raced) is a
-``poisoned`` lookup, removed from the store and encoded again, never served.
+``poisoned`` lookup, removed from the store and encoded again, never served. The layout and
+the key scheme are versioned together (``_FORMAT``, in every name): entries of another version
+are misses, never misread.
 
 That digest is not a secret: whoever can put to the store can write a consistent entry of their
 own. With a fleet secret (``store_key_file``) the digest is a MAC instead, over the entry's
-name and row (``_Seal``), under a prefix of that secret's own: an entry is served only if a
-holder of the secret wrote that row under that name; anything else found there (a stranger's,
-one sealed without the secret or under another, a valid entry copied from another image's
-name) is poisoned. Without a secret the store's network must be closed to strangers
-(``docs/operations.md``).
+name and row, and so is the description's tag (``_Seal``), under a prefix of that secret's
+own: an entry is served only if a holder of the secret wrote that row and description under
+that name; anything else found there (a stranger's, one sealed without the secret or under
+another, a valid entry copied from another image's name) is poisoned. Without a secret the
+store's network must be closed to strangers (``docs/operations.md``).
 
 The store must never fail or slow a request:
 
@@ -50,18 +55,23 @@ from __future__ import annotations
 import contextlib
 import hmac
 import importlib
+import json
 import logging
 import math
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 import torch
 import trio
+import xxhash
 
 from trio_encode.embedding import CHECKSUM_ALGORITHM, tensor_checksum
+from trio_encode.encoder.backend import ItemMeta
 from trio_encode.encoder.cache import CacheKey
 from trio_encode.encoder.settings import EncoderSettings
+from trio_encode.request_types import Grid
 
 log = logging.getLogger(__name__)
 
@@ -77,13 +87,26 @@ _THREADS = 4  # store calls in flight, abandoned ones included: a hung store hol
 _RETRY_SECONDS = 5.0  # between attempts to reach the master
 _WARN_SECONDS = 10.0  # a failing store logs at most one line per period; metrics count all
 _DIGEST = 8  # bytes of the digest (XXH3-64, or the keyed MAC) in front of each entry's row
-_PREFIX = "trio-encode/checked/"  # entries of this layout, digest then row, without a secret
+_HEADER = 1024  # bytes of each entry's description, between its digest and its row
+_LENGTH = 2  # bytes of the description's length, after its tag
+_FORMAT = "v2"  # the entries' layout and names: digest, description, row
+_PREFIX = f"trio-encode/checked/{_FORMAT}/"  # entries of this layout without a secret
 
 
 def store_key(fingerprint: str, key: CacheKey) -> str:
-    """The store's key for an image's embedding under the model ``fingerprint``
+    """The store's key for an item's embedding under the model ``fingerprint``: everything in
+    its :class:`CacheKey` but the model's id, which the fingerprint stands for
     (:meth:`MooncakeEmbeddingStore.entry_name` moves it under a fleet secret's own prefix)."""
-    return f"{_PREFIX}{fingerprint}/{key.sha256}"
+    return f"{_PREFIX}{fingerprint}/{key.modality}/{key.recipe or '-'}/{key.sha256}"
+
+
+@dataclass(frozen=True)
+class StoreHit:
+    """An entry found and checked: its row's checksum and what was stored beside the row."""
+
+    checksum: str
+    grid: Grid | None = None
+    meta: ItemMeta = ()
 
 
 class _Seal:
@@ -102,7 +125,7 @@ class _Seal:
     def __init__(self, secret: bytes) -> None:
         self._key = hmac.digest(secret, b"trio-encode store seal", "sha256")
         key_id = hmac.digest(secret, b"trio-encode store key id", "sha256")[:4].hex()
-        self.prefix = f"trio-encode/keyed/{key_id}/"
+        self.prefix = f"trio-encode/keyed/{_FORMAT}/{key_id}/"
 
     def __repr__(self) -> str:
         return f"_Seal({self.prefix!r})"  # never the key
@@ -111,6 +134,54 @@ class _Seal:
         mac = hmac.new(self._key, name.encode() + b"\0", "sha256")
         mac.update(row.view(torch.uint8).numpy().data)  # hashlib lets go of the GIL for it
         return mac.digest()[:_DIGEST]
+
+    def tag(self, text: bytes) -> bytes:
+        """The keyed tag of an entry's description (``text``: see :func:`_tag`)."""
+        return hmac.digest(self._key, b"description\0" + text, "sha256")[:_DIGEST]
+
+
+def _tag(seal: _Seal | None, name: str, front: bytes, body: bytes) -> bytes:
+    """The tag of an entry's description: over the entry's name, the digest in front of its
+    row (so a description is good only beside that digest, which is good only beside that
+    row) and the description's body; keyed under a fleet secret, XXH3-64 without one."""
+    text = name.encode() + b"\0" + front + body
+    return xxhash.xxh3_64_digest(text) if seal is None else seal.tag(text)
+
+
+def _body(grid: Grid | None, meta: ItemMeta) -> bytes | None:
+    """A row's grid and metadata as its description holds them: the length, then JSON; None
+    when they do not fit."""
+    text = json.dumps({"grid": grid, "meta": meta}, separators=(",", ":")).encode()
+    if len(text) > _HEADER - _DIGEST - _LENGTH:
+        return None
+    return len(text).to_bytes(_LENGTH, "little") + text
+
+
+def _describe(seal: _Seal | None, name: str, front: bytes, body: bytes) -> bytes:
+    """A row's description as stored between the digest in front of it (``front``) and
+    itself: the tag, the body (:func:`_body`), zeros to ``_HEADER`` bytes."""
+    return (_tag(seal, name, front, body) + body).ljust(_HEADER, b"\0")
+
+
+def _described(
+    seal: _Seal | None, name: str, front: bytes, checksum: str, header: bytes
+) -> StoreHit | None:
+    """The hit an entry makes of its row (of ``checksum``, already checked against ``front``)
+    and its description; None when the description is not the one written beside that digest
+    under that name, or not one at all."""
+    length = int.from_bytes(header[_DIGEST : _DIGEST + _LENGTH], "little")
+    body = header[_DIGEST : _DIGEST + _LENGTH + length]
+    if not hmac.compare_digest(_tag(seal, name, front, body), header[:_DIGEST]):
+        return None
+    try:
+        fields = json.loads(body[_LENGTH:])
+        grid = fields["grid"]
+        meta = tuple(
+            (str(n), v if isinstance(v, int | float) else list(v)) for n, v in fields["meta"]
+        )
+        return StoreHit(checksum, None if grid is None else tuple(int(n) for n in grid), meta)
+    except (ValueError, TypeError, KeyError):
+        return None  # tagged, so written with this tag's key: by a broken or foreign writer
 
 
 def _digest_bytes(checksum: str) -> torch.Tensor:
@@ -159,9 +230,10 @@ class EmbeddingStore(Protocol):
         raises an :class:`Exception`: a broken store leaves the encoder without it."""
         ...
 
-    async def get(self, keys: Sequence[str], into: Sequence[torch.Tensor]) -> list[str | None]:
-        """Fill ``into[i]`` with the embedding stored under ``keys[i]``; for each, its checksum
-        if it was found and its bytes match the checksum stored with them, else None.
+    async def get(self, keys: Sequence[str], into: Sequence[torch.Tensor]) -> list[StoreHit | None]:
+        """Fill ``into[i]`` with the embedding stored under ``keys[i]``; for each, its checksum,
+        grid and metadata if it was found and its bytes and description match what was stored
+        with them, else None.
 
         Never raises for the store's sake and returns within the configured wait. A tensor
         that was not found may still be written afterwards (an abandoned read): the caller
@@ -169,9 +241,18 @@ class EmbeddingStore(Protocol):
         """
         ...
 
-    def put(self, key: str, tensor: torch.Tensor, checksum: str, done: Done | None = None) -> None:
-        """Offer an embedding and the checksum of its bytes as written, to be stored together
-        in the background; returns at once.
+    def put(
+        self,
+        key: str,
+        tensor: torch.Tensor,
+        checksum: str,
+        done: Done | None = None,
+        *,
+        grid: Grid | None = None,
+        meta: ItemMeta = (),
+    ) -> None:
+        """Offer an embedding, the checksum of its bytes as written, its grid and its metadata,
+        to be stored together in the background; returns at once.
 
         ``tensor``'s bytes are read later. ``done`` (if given) is called on the event loop,
         exactly once, when the store no longer reads them: the put finished, failed, or was
@@ -243,7 +324,7 @@ class MooncakeEmbeddingStore:
         self._unlogged = 0
         self._limiter = trio.CapacityLimiter(_THREADS)
         self._puts_in, self._puts_out = trio.open_memory_channel[
-            tuple[str, torch.Tensor, torch.Tensor, Done | None]
+            tuple[str, torch.Tensor, torch.Tensor, Done | None, Grid | None, ItemMeta]
         ](_PUT_QUEUE)
 
     @classmethod
@@ -289,8 +370,8 @@ class MooncakeEmbeddingStore:
                 if self._client is None:
                     await trio.sleep(_RETRY_SECONDS)
             self.observer.store_connected(True)
-            async for key, tensor, digest, done in self._puts_out:
-                await self._put_now(key, tensor, digest, done)
+            async for key, tensor, digest, done, grid, meta in self._puts_out:
+                await self._put_now(key, tensor, digest, done, grid, meta)
         except Exception:
             # The store is an optimisation: its failure must not end the encoder it serves.
             log.exception("the store client failed; this encoder goes on without the store")
@@ -324,7 +405,7 @@ class MooncakeEmbeddingStore:
         """Puts still queued when the store stops never run: they no longer read anything."""
         while True:
             try:
-                _, _, _, done = self._puts_out.receive_nowait()
+                _, _, _, done, _, _ = self._puts_out.receive_nowait()
             except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
                 return
             self.observer.store_put("dropped")
@@ -358,7 +439,7 @@ class MooncakeEmbeddingStore:
                 _RETRY_SECONDS,
             )
 
-    async def get(self, keys: Sequence[str], into: Sequence[torch.Tensor]) -> list[str | None]:
+    async def get(self, keys: Sequence[str], into: Sequence[torch.Tensor]) -> list[StoreHit | None]:
         client = self._client
         if client is None:
             self.observer.store_looked_up("unavailable", len(keys))
@@ -369,40 +450,42 @@ class MooncakeEmbeddingStore:
                 tensor,
                 tensor.numel() * tensor.element_size(),
                 torch.empty(_DIGEST, dtype=torch.uint8),
+                torch.empty(_HEADER, dtype=torch.uint8),
             )
             for key, tensor in zip(keys, into, strict=True)
         ]
 
         seal = self._seal
 
-        def read() -> list[tuple[int, str | None, int]]:
+        def read() -> list[tuple[int, StoreHit | None, int]]:
             # The tensors live in ``targets``, which this function holds until it returns:
-            # an abandoned read still writes only into memory it keeps alive. Each row is
-            # checked here, before anyone can use it.
+            # an abandoned read still writes only into memory it keeps alive. Each row and
+            # its description are checked here, before anyone can use them.
             codes: list[int] = client.batch_get_into_multi_buffers(
-                [key for key, _, _, _ in targets],
-                [[digest.data_ptr(), row.data_ptr()] for _, row, _, digest in targets],
-                [[_DIGEST, nbytes] for _, _, nbytes, _ in targets],
+                [key for key, _, _, _, _ in targets],
+                [[d.data_ptr(), h.data_ptr(), row.data_ptr()] for _, row, _, d, h in targets],
+                [[_DIGEST, _HEADER, nbytes] for _, _, nbytes, _, _ in targets],
             )
-            checked: list[tuple[int, str | None, int]] = []
-            for (key, row, nbytes, digest), code in zip(targets, codes, strict=True):
-                checksum, removed = None, 0
-                if code == _DIGEST + nbytes:
+            checked: list[tuple[int, StoreHit | None, int]] = []
+            for (key, row, nbytes, digest, header), code in zip(targets, codes, strict=True):
+                hit, removed = None, 0
+                if code == _DIGEST + _HEADER + nbytes:
                     checksum = tensor_checksum(row)
+                    stored = bytes(digest.numpy())
                     if seal is None:
                         sealed = checksum == _stored_checksum(digest)
                     else:
-                        stored = bytes(digest.numpy())
                         sealed = hmac.compare_digest(seal.digest(key, row), stored)
-                    if not sealed:
-                        checksum = None
+                    if sealed:
+                        hit = _described(seal, key, stored, checksum, bytes(header.numpy()))
+                    if hit is None:
                         # Forced: a lease another reader holds must not keep it served.
                         removed = client.remove(key, True)
                         code = _POISONED
-                checked.append((code, checksum, removed))
+                checked.append((code, hit, removed))
             return checked
 
-        checked: list[tuple[int, str | None, int]] | None = None
+        checked: list[tuple[int, StoreHit | None, int]] | None = None
         with trio.move_on_after(self.wait):
             checked = await trio.to_thread.run_sync(
                 read, abandon_on_cancel=True, limiter=self._limiter
@@ -412,9 +495,9 @@ class MooncakeEmbeddingStore:
             self.observer.store_looked_up("timeout", len(keys))
             return [None] * len(keys)
         found = []
-        for (key, _, nbytes, _), (code, checksum, removed) in zip(targets, checked, strict=True):
+        for (key, _, nbytes, _, _), (code, hit, removed) in zip(targets, checked, strict=True):
             result: LookupResult
-            if checksum is not None:
+            if hit is not None:
                 result = "hit"
             elif code == _POISONED:
                 result = "poisoned"
@@ -430,10 +513,13 @@ class MooncakeEmbeddingStore:
             else:
                 result = "error"
                 self._warn(
-                    "store read of %s returned %d (expected %d bytes)", key, code, _DIGEST + nbytes
+                    "store read of %s returned %d (expected %d bytes)",
+                    key,
+                    code,
+                    _DIGEST + _HEADER + nbytes,
                 )
             self.observer.store_looked_up(result, 1)
-            found.append(checksum)
+            found.append(hit)
         return found
 
     def _warn(self, message: str, *args: object) -> None:
@@ -448,10 +534,19 @@ class MooncakeEmbeddingStore:
         log.warning(message, *args)
         self._warned_at, self._unlogged = now, 0
 
-    def put(self, key: str, tensor: torch.Tensor, checksum: str, done: Done | None = None) -> None:
+    def put(
+        self,
+        key: str,
+        tensor: torch.Tensor,
+        checksum: str,
+        done: Done | None = None,
+        *,
+        grid: Grid | None = None,
+        meta: ItemMeta = (),
+    ) -> None:
         if self._client is not None:
             try:
-                self._puts_in.send_nowait((key, tensor, _digest_bytes(checksum), done))
+                self._puts_in.send_nowait((key, tensor, _digest_bytes(checksum), done, grid, meta))
                 return
             except trio.WouldBlock:
                 pass
@@ -460,18 +555,31 @@ class MooncakeEmbeddingStore:
             done()
 
     async def _put_now(
-        self, key: str, tensor: torch.Tensor, digest: torch.Tensor, done: Done | None
+        self,
+        key: str,
+        tensor: torch.Tensor,
+        digest: torch.Tensor,
+        done: Done | None,
+        grid: Grid | None = None,
+        meta: ItemMeta = (),
     ) -> None:
         client = self._client
         assert client is not None
         nbytes = tensor.numel() * tensor.element_size()
-        claim = _PutClaim(trio.lowlevel.current_trio_token(), done)
         name, seal = self.entry_name(key), self._seal
+        body = _body(grid, meta)
+        if body is None:
+            self._warn("the grid and metadata of %s are over %d bytes: not stored", name, _HEADER)
+            self.observer.store_put("failed")
+            if done is not None:
+                done()
+            return
+        claim = _PutClaim(trio.lowlevel.current_trio_token(), done)
 
         def write() -> int | None:
             # Holds ``tensor`` until the write returns, also when abandoned; only then is
             # ``done`` called, back on the event loop, so what it gives back is not read again.
-            # One object from two buffers: the digest and the row are never stored apart.
+            # One object from three buffers: digest, description and row never stored apart.
             if not claim.start():
                 return None  # given up on before it started: it reads nothing
             try:
@@ -483,8 +591,12 @@ class MooncakeEmbeddingStore:
                     if tensor_checksum(tensor) != _stored_checksum(digest):
                         return _CHANGED
                     front = torch.frombuffer(bytearray(mac), dtype=torch.uint8)
+                description = _describe(seal, name, bytes(front.numpy()), body)
+                header = torch.frombuffer(bytearray(description), dtype=torch.uint8)
                 codes: list[int] = client.batch_put_from_multi_buffers(
-                    [name], [[front.data_ptr(), tensor.data_ptr()]], [[_DIGEST, nbytes]]
+                    [name],
+                    [[front.data_ptr(), header.data_ptr(), tensor.data_ptr()]],
+                    [[_DIGEST, _HEADER, nbytes]],
                 )
             finally:
                 claim.finished()

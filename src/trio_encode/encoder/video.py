@@ -10,12 +10,14 @@ indices select the same frames.
 
 Everything a client sends is untrusted, and a video's cost follows what its container says:
 the header's duration, frame count and frame size are checked against :class:`VideoLimits`
-before anything is read past it, the packet walk (demuxing only, no decoding) checks them
-again against what the packets say, and the output's size is checked before the first frame
-is decoded. A header that lies is caught where the truth shows: the walk counts packets and
-their time span, the decode checks every frame's size against the declared one, and a CPU-time
-budget backs up both. Only the containers and codecs named below are ever opened: FFmpeg's
-other demuxers include playlists that open further files.
+before anything is read past it (an MP4's sample table even before FFmpeg opens the file, as
+FFmpeg indexes every sample a table declares), the packet walk (demuxing only, no decoding)
+checks them again against what the packets say, and the output's size is checked before the
+first frame is decoded. :func:`check_header` is the first of these steps alone, cheap enough
+to run as a video arrives. A header that lies is caught where the truth shows: the walk
+counts packets and their time span, the decode checks every frame's size against the declared
+one, and a CPU-time budget backs up both. Only the containers and codecs named below are ever
+opened: FFmpeg's other demuxers include playlists that open further files.
 
 Pure and synchronous: each call opens its own container, so decode threads may run it at once.
 """
@@ -25,6 +27,7 @@ from __future__ import annotations
 import bisect
 import io
 import math
+import struct
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -38,7 +41,18 @@ import numpy as np
 import numpy.typing as npt
 
 from trio_encode.encoder.images import MediaKind
-from trio_encode.encoder.settings import VIDEO_FPS, VIDEO_MAX_FRAMES, VIDEO_MIN_FRAMES
+from trio_encode.encoder.settings import (
+    VIDEO_DECODE_CPU_SECONDS,
+    VIDEO_FPS,
+    VIDEO_MAX_FRAME_PIXELS,
+    VIDEO_MAX_FRAMES,
+    VIDEO_MAX_OUTPUT_BYTES,
+    VIDEO_MAX_PIXELS,
+    VIDEO_MAX_SECONDS,
+    VIDEO_MAX_TOTAL_FRAMES,
+    VIDEO_MIN_FRAMES,
+    EncoderSettings,
+)
 from trio_encode.errors import InvalidInput, MediaTooLarge
 
 FRAME_FACTOR = 2
@@ -61,22 +75,36 @@ class FrameSampling:
 @dataclass(frozen=True)
 class VideoLimits:
     """What one video may cost, each checked from the header first and again as the truth
-    shows. The defaults admit ten minutes of 1080p at 30 frames a second."""
+    shows: the server's ``video_*`` limit settings (:meth:`from_settings`; their docstrings
+    say why the defaults are what they are). A refusal's message names the setting."""
 
-    max_seconds: float = 600.0
-    """Duration, declared or spanned by the packets' timestamps."""
-    max_frames: int = 36_000
-    """Frames of the stream, declared or counted (ten minutes at 60 frames a second)."""
-    max_frame_pixels: int = 3840 * 2160
-    """Width x height of one frame (4K UHD)."""
-    max_pixels: int = 40_000_000_000
-    """Frames x frame pixels of the whole stream: the decoder's work when keyframes are far
-    apart, as every frame between a keyframe and a chosen one is decoded."""
-    max_output_bytes: int = 2 << 30
-    """Bytes of the RGB frames returned (chosen frames x height x width x 3)."""
-    budget_s: float = 60.0
-    """CPU seconds of the calling thread for the whole call (walk and decode). Thread time,
-    not wall time: a decode waiting for a core is not the one being slow."""
+    max_seconds: float = VIDEO_MAX_SECONDS
+    """Duration, declared or spanned by the packets' timestamps (``video_max_seconds``)."""
+    max_frames: int = VIDEO_MAX_TOTAL_FRAMES
+    """Frames of the stream, declared or counted (``video_max_total_frames``)."""
+    max_frame_pixels: int = VIDEO_MAX_FRAME_PIXELS
+    """Width x height of one frame (``video_max_frame_pixels``)."""
+    max_pixels: int = VIDEO_MAX_PIXELS
+    """Frames x frame pixels of the whole stream (``video_max_pixels``)."""
+    max_output_bytes: int = VIDEO_MAX_OUTPUT_BYTES
+    """Bytes of the RGB frames returned, chosen frames x height x width x 3
+    (``video_max_output_bytes``)."""
+    budget_s: float = VIDEO_DECODE_CPU_SECONDS
+    """CPU seconds of the calling thread for the whole call, walk and decode
+    (``video_decode_cpu_seconds``). Thread time, not wall time: a decode waiting for a core is
+    not the one being slow."""
+
+    @classmethod
+    def from_settings(cls, settings: EncoderSettings) -> VideoLimits:
+        """The limits a server's settings set."""
+        return cls(
+            max_seconds=settings.video_max_seconds,
+            max_frames=settings.video_max_total_frames,
+            max_frame_pixels=settings.video_max_frame_pixels,
+            max_pixels=settings.video_max_pixels,
+            max_output_bytes=settings.video_max_output_bytes,
+            budget_s=settings.video_decode_cpu_seconds,
+        )
 
 
 class VideoTooBig(MediaTooLarge):
@@ -182,6 +210,14 @@ def second_per_grid_ts(sampling: FrameSampling, temporal_patch_size: int = 2) ->
     return temporal_patch_size / sampling.fps
 
 
+def check_header(data: bytes, limits: VideoLimits = VideoLimits()) -> None:
+    """Refuse ``data`` from its container and header alone, as :func:`decode_video` does
+    first, reading no packet: cheap enough to run as a video arrives, so a video its header
+    already refuses is answered at once, not after the videos queued for decoding."""
+    with _opened(data, _container_format(data, limits)) as container:
+        _check_header(container, limits)
+
+
 def decode_video(
     data: bytes,
     sampling: FrameSampling = FrameSampling(),
@@ -190,7 +226,7 @@ def decode_video(
     """Decode the frames SGLang's rule takes from ``data``, refusing a video over ``limits``
     from its header before any packet is read, from its packets before any frame is decoded,
     and from its frames as they come. Every failure is an :class:`InvalidInput`."""
-    container_format = _sniff(data)
+    container_format = _container_format(data, limits)
     started = _cpu_clock()
     with _opened(data, container_format) as container:
         header = _check_header(container, limits)
@@ -203,7 +239,7 @@ def decode_video(
         raise VideoTooBig(
             f"the video's {len(indices)} chosen frames of {width}x{height} pixels are "
             f"{size} bytes as RGB; the limit is {limits.max_output_bytes} bytes "
-            "(max_output_bytes)"
+            "(video_max_output_bytes)"
         )
     out = np.empty((len(indices), height, width, 3), dtype=np.uint8)
     chosen = [walk.pts[index] for index in indices]
@@ -219,7 +255,7 @@ def decode_video(
                         raise VideoTooBig(
                             f"the video declares frames of {width}x{height} pixels but has "
                             f"one of {frame.width}x{frame.height}; frames may not differ from "
-                            "the declared size (max_frame_pixels)"
+                            "the declared size (video_max_frame_pixels)"
                         )
                     out[slot] = frame.to_ndarray(format="rgb24")
                     slot += 1
@@ -261,6 +297,124 @@ def _sniff(data: bytes) -> str:
     raise InvalidInput(f"the data is not a video in a known container: send {CONTAINER_NAMES}")
 
 
+def _container_format(data: bytes, limits: VideoLimits) -> str:
+    """The FFmpeg demuxer for ``data`` (:func:`_sniff`), after what must be checked before
+    FFmpeg opens it (:func:`_check_sample_tables`)."""
+    container_format = _sniff(data)
+    if container_format == "mov":
+        _check_sample_tables(data, limits)
+    return container_format
+
+
+_MP4_PARENTS = frozenset({b"moov", b"trak", b"mdia", b"minf", b"stbl"})
+
+
+def _check_sample_tables(data: bytes, limits: VideoLimits) -> None:
+    """Refuse an MP4/MOV with a track whose sample table, or whose fragments' runs (``trun``)
+    together, declare more than ``max_frames`` samples, before FFmpeg opens it: FFmpeg indexes
+    every sample of every track as it opens the file (tens of bytes each), and a table or a
+    run of samples of one size declares any number of them in 20 bytes (a 2 KB file declaring
+    60 million takes 2 GB and seconds to open). Audio FFmpeg indexes by chunk (PCM: one tick a
+    sample) is not counted by samples. Only the first ``moov`` is read (FFmpeg skips others),
+    and the boxes walked are bounded (four a frame: a file fragmented at every frame has two
+    to four), so a file of millions of empty boxes costs this walk no more than an honest one."""
+    boxes = _Boxes(data, 4 * limits.max_frames + 64)
+    tables_read = False
+    in_fragments: dict[bytes, int] = {}  # samples by track ID
+    for kind, start, end in boxes.within(0, len(data)):
+        if kind == b"moov" and not tables_read:
+            tables_read = True
+            for track_kind, track_start, track_end in boxes.within(start, end):
+                if track_kind == b"trak":
+                    handler, samples = _mp4_track_samples(boxes, track_start, track_end)
+                    _check_samples(samples, f"{handler!r} track's sample table declares", limits)
+        elif kind == b"moof":
+            for fragment_kind, fragment_start, fragment_end in boxes.within(start, end):
+                if fragment_kind != b"traf":
+                    continue
+                track = b""
+                for run_kind, run_start, run_end in boxes.within(fragment_start, fragment_end):
+                    if run_kind == b"tfhd":
+                        track = data[run_start + 4 : run_start + 8]
+                    elif run_kind == b"trun" and run_start + 8 <= run_end:
+                        count = int.from_bytes(data[run_start + 4 : run_start + 8], "big")
+                        in_fragments[track] = in_fragments.get(track, 0) + count
+                        _check_samples(
+                            in_fragments[track], "fragments declare, for one track,", limits
+                        )
+
+
+def _check_samples(samples: int, declared_by: str, limits: VideoLimits) -> None:
+    if samples > limits.max_frames:
+        raise VideoTooBig(
+            f"the file's {declared_by} {samples} samples; the limit is {limits.max_frames} a "
+            "track (video_max_total_frames)"
+        )
+
+
+def _mp4_track_samples(boxes: _Boxes, start: int, end: int) -> tuple[str, int]:
+    """A ``trak`` box's handler (``vide``, ``soun``...) and the samples its table declares
+    (``stsz`` or ``stz2``) as FFmpeg indexes them: 0 for audio whose ``stts`` is one run of
+    one tick a sample, which FFmpeg indexes by chunk. Where boxes repeat, what counts most:
+    the largest count, video if any handler says so, by chunk only if every ``stts`` says so."""
+    data = boxes.data
+    handlers: list[bytes] = []
+    samples = 0
+    by_chunk: bool | None = None
+    stack = [(start, end)]
+    while stack:
+        for kind, box_start, box_end in boxes.within(*stack.pop()):
+            field = data[box_start + 8 : box_start + 12]  # hdlr's type; stsz's, stz2's count
+            if kind in _MP4_PARENTS:
+                stack.append((box_start, box_end))
+            elif kind == b"hdlr":
+                handlers.append(field)
+            elif kind in (b"stsz", b"stz2") and len(field) == 4:
+                samples = max(samples, int.from_bytes(field, "big"))
+            elif kind == b"stts" and box_start + 16 <= box_end:
+                runs, _, delta = struct.unpack_from(">III", data, box_start + 4)
+                by_chunk = (by_chunk is not False) and runs == 1 and delta == 1
+    for named in (b"vide", b"soun", *handlers[:1]):
+        if named in handlers:
+            handler = named.decode("latin-1")
+            break
+    else:
+        handler = "unnamed"
+    return handler, 0 if handler == "soun" and by_chunk else samples
+
+
+@dataclass
+class _Boxes:
+    """An MP4's boxes, of which at most ``left`` more may be walked (all walks together)."""
+
+    data: bytes
+    left: int
+
+    def within(self, start: int, end: int) -> Iterator[tuple[bytes, int, int]]:
+        """The boxes between ``start`` and ``end``: each one's type and its payload's bounds.
+        A box whose size runs past ``end`` is cut at it; one whose size is impossible ends
+        the walk (FFmpeg then refuses the file, or reads what it can)."""
+        data, at = self.data, start
+        while at + 8 <= end:
+            self.left -= 1
+            if self.left < 0:
+                raise VideoTooBig(
+                    "the file has more boxes than four a frame of the frame limit "
+                    "(video_max_total_frames)"
+                )
+            size = int.from_bytes(data[at : at + 4], "big")
+            kind = data[at + 4 : at + 8]
+            header = 8
+            if size == 1 and at + 16 <= end:
+                size, header = int.from_bytes(data[at + 8 : at + 16], "big"), 16
+            elif size == 0:
+                size = end - at
+            if size < header:
+                return
+            yield kind, at + header, min(at + size, end)
+            at += size
+
+
 @dataclass(frozen=True)
 class _Header:
     stream: av.video.stream.VideoStream
@@ -286,7 +440,7 @@ def _check_header(container: av.container.InputContainer, limits: VideoLimits) -
     if pixels > limits.max_frame_pixels:
         raise VideoTooBig(
             f"the video declares frames of {width}x{height} pixels; the limit is "
-            f"{limits.max_frame_pixels} pixels a frame (max_frame_pixels)"
+            f"{limits.max_frame_pixels} pixels a frame (video_max_frame_pixels)"
         )
     seconds = _declared_seconds(container, stream)
     if seconds is not None and seconds > limits.max_seconds:
@@ -309,19 +463,21 @@ def _declared_seconds(
 
 
 def _over_seconds(what: str, limits: VideoLimits) -> str:
-    return f"the video {what} seconds; the limit is {limits.max_seconds:g} seconds (max_seconds)"
+    return (
+        f"the video {what} seconds; the limit is {limits.max_seconds:g} seconds (video_max_seconds)"
+    )
 
 
 def _check_frames(frames: int, pixels: int, limits: VideoLimits, verb: str) -> None:
     if frames > limits.max_frames:
         raise VideoTooBig(
             f"the video {verb} {frames} frames; the limit is {limits.max_frames} frames "
-            "(max_frames)"
+            "(video_max_total_frames)"
         )
     if frames * pixels > limits.max_pixels:
         raise VideoTooBig(
             f"the video {verb} {frames} frames of {pixels} pixels, {frames * pixels} in all; "
-            f"the limit is {limits.max_pixels} pixels over all frames (max_pixels)"
+            f"the limit is {limits.max_pixels} pixels over all frames (video_max_pixels)"
         )
 
 
@@ -329,7 +485,7 @@ def _check_budget(started: float, limits: VideoLimits) -> None:
     if _cpu_clock() - started > limits.budget_s:
         raise VideoTooBig(
             f"the video took more than {limits.budget_s:g} CPU seconds to read; the limit is "
-            f"{limits.budget_s:g} seconds (budget_s)"
+            f"{limits.budget_s:g} seconds (video_decode_cpu_seconds)"
         )
 
 
@@ -416,7 +572,7 @@ class _Count:
         if self.fresh > self.packets or self.decoded > 2 * self.packets:
             raise VideoTooBig(
                 f"the video decoded to more than the {self.packets} frames its packets "
-                "declare (max_frames)"
+                "declare (video_max_total_frames)"
             )
 
 

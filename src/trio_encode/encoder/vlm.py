@@ -34,6 +34,7 @@ from trio_encode.encoder.backend import Prepared
 from trio_encode.encoder.fingerprint import model_fingerprint, weights_digest
 from trio_encode.encoder.images import open_image
 from trio_encode.encoder.settings import EncoderSettings
+from trio_encode.errors import InvalidInput
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,15 @@ class Family:
     deepstack: bool = False
     """Whether each row carries the deepstack layers' features beside the merger's (Qwen3-VL
     and its MoE): ``hidden * (1 + len(deepstack_visual_indexes))`` columns."""
+    images: bool = True
+    """Whether the model takes images; one without (an audio model) has no image processor,
+    and an image sent to it is refused."""
+    part: str | None = None
+    """The part of the checkpoint served, where it is not the whole (an Omni model's
+    ``thinker``): its configuration is the whole's ``{part}_config``, its tensors' names in the
+    checkpoint start ``{part}.``."""
+    model_class: str | None = None
+    """The transformers class built, where the configuration does not name it (a part)."""
 
 
 def _qwen_features(model: Any, images: Sequence[Prepared], device: torch.device) -> list[Any]:
@@ -113,6 +123,10 @@ def _onevision_features(model: Any, images: Sequence[Prepared], device: torch.de
     return list(torch.split(features, [image.tokens for image in images]))
 
 
+def _no_images(model: Any, images: Sequence[Prepared], device: torch.device) -> list[Any]:
+    raise InvalidInput(f"this model ({model.config.model_type}) takes no images")
+
+
 def _llava_tokens(config: Any) -> int:
     vision = config.vision_config
     tokens = (int(vision.image_size) // int(vision.patch_size)) ** 2
@@ -154,6 +168,16 @@ FAMILIES: dict[str, Family] = {
     "internvl": Family(
         ("model.vision_tower", "model.multi_modal_projector"), _internvl_tokens, _tile_features
     ),
+    "qwen2_audio": Family(
+        ("model.audio_tower", "model.multi_modal_projector"), None, _no_images, images=False
+    ),
+    "qwen2_5_omni": Family(
+        ("model.audio_tower", "model.visual"),
+        None,
+        _qwen_features,
+        part="thinker",
+        model_class="Qwen2_5OmniThinkerForConditionalGeneration",
+    ),
 }
 """The VLMs served, by ``model_type``."""
 
@@ -182,18 +206,23 @@ class VLMVisionModel:
         self.dtype = TORCH_DTYPES[settings.model_dtype]
         self.device = torch.device(settings.device)
         config = transformers.AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+        if self.family.part is not None:
+            config = getattr(config, f"{self.family.part}_config")
         self.model = _build_vision_only(transformers, config, model_dir, self.family, self.dtype)
         for path in self.family.modules:
             _to_device(self.model, path, self.device)
         self.config = config
-        self.processor = transformers.AutoImageProcessor.from_pretrained(
-            str(model_dir), local_files_only=True
-        )
+        self.processor: Any = None
+        if self.family.images:
+            self.processor = transformers.AutoImageProcessor.from_pretrained(
+                str(model_dir), local_files_only=True
+            )
         text = config.get_text_config()
         self.hidden_size = int(text.hidden_size)
         if self.family.deepstack:
             self.hidden_size *= 1 + len(config.vision_config.deepstack_visual_indexes)
-        self._merge = int(getattr(config.vision_config, "spatial_merge_size", 1))
+        vision = getattr(config, "vision_config", None)
+        self._merge = int(getattr(vision, "spatial_merge_size", 1))
         self._per_tile = (
             self.family.tokens_per_tile(config) if self.family.tokens_per_tile else None
         )
@@ -208,7 +237,7 @@ class VLMVisionModel:
         }
         self._fingerprint = model_fingerprint(
             f"vlm-{model_type}",
-            {"config": config_json, "processor": self.processor.to_dict()},
+            {"config": config_json, "processor": _processor_facts(self.processor, model_dir)},
             settings.model_dtype,
             weights_digest(state),
         )
@@ -218,12 +247,18 @@ class VLMVisionModel:
         return self._fingerprint
 
     def decode(self, data: bytes, *, max_pixels: int) -> Prepared:
+        self._takes_images()
         return self.prepare(open_image(data, max_pixels=max_pixels))
+
+    def _takes_images(self) -> None:
+        if not self.family.images:
+            raise InvalidInput(f"this model ({self.config.model_type}) takes no images")
 
     def prepare(self, image: Image.Image) -> Prepared:
         """An upright RGB image through the model's own image processor. Gemma 4's patch
         positions (``(x, y)``, -1 for padding) ride as the last two columns of its pixels
         (small integers, exact in float32): one tensor per image, as the batcher carries it."""
+        self._takes_images()
         out = self.processor(images=[image], return_tensors="pt")
         pixels: torch.Tensor = out["pixel_values"].to(torch.float32).contiguous()
         if "image_position_ids" in out:
@@ -262,6 +297,15 @@ class VLMVisionModel:
             return [out.to(self.dtype).contiguous() for out in outs]
 
 
+def _processor_facts(processor: Any, model_dir: Path) -> dict[str, Any]:
+    """What the model's preprocessing is configured by, for its fingerprint: its image
+    processor's settings, or (a model without images) its saved feature extractor's."""
+    if processor is not None:
+        return dict(processor.to_dict())
+    saved = model_dir / "preprocessor_config.json"
+    return dict(json.loads(saved.read_text())) if saved.exists() else {}
+
+
 def _tiles_vary(processor: Any) -> bool:
     """Whether the processor cuts an image into a number of tiles that depends on its size."""
     return bool(getattr(processor, "crop_to_patches", False)) or bool(
@@ -274,10 +318,14 @@ def _build_vision_only(
 ) -> Any:
     """The model class on the meta device, its vision modules loaded from the checkpoint and
     the rest (the language model) left without memory."""
-    model_class = _model_class(transformers, config)
+    model_class = (
+        getattr(transformers, family.model_class)
+        if family.model_class
+        else _model_class(transformers, config)
+    )
     with torch.device("meta"):
         model = model_class._from_config(config, dtype=dtype)
-    state = _read_vision_tensors(model_dir, family.modules, model)
+    state = _read_vision_tensors(model_dir, family.modules, model, family.part)
     model.load_state_dict(state, strict=False, assign=True)
     loaded = set(state)
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
@@ -322,16 +370,17 @@ def _model_class(transformers: Any, config: Any) -> Any:
 
 
 def _read_vision_tensors(
-    model_dir: Path, modules: tuple[str, ...], model: Any
+    model_dir: Path, modules: tuple[str, ...], model: Any, part: str | None = None
 ) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors of ``modules`` under the model's own names, in the dtypes of
-    the model's (meta) parameters; shards without any are never opened."""
+    """The checkpoint's tensors of ``modules`` (of ``part``, where the model is one part of
+    the checkpoint's) under the model's own names, in the dtypes of the model's (meta)
+    parameters; shards without any are never opened."""
     expected = dict(model.state_dict())
     wanted = {name for name in expected if _under(name, modules)}
     where = _weight_map(model_dir)
     by_shard: dict[str, list[tuple[str, str]]] = {}
     for stored, shard in where.items():
-        name = _model_name(stored, wanted)
+        name = _model_name(stored, wanted, part)
         if name is not None:
             by_shard.setdefault(shard, []).append((stored, name))
     state: dict[str, torch.Tensor] = {}
@@ -357,9 +406,14 @@ def _read_vision_tensors(
     return state
 
 
-def _model_name(stored: str, wanted: set[str]) -> str | None:
+def _model_name(stored: str, wanted: set[str], part: str | None = None) -> str | None:
     """A checkpoint key as the model names it: checkpoints keep the original layout
-    (``visual.``, ``vision_tower.``...) where the model class nests it under ``model.``."""
+    (``visual.``, ``vision_tower.``...) where the model class nests it under ``model.``; a
+    part's keys carry its name first (``thinker.audio_tower.``)."""
+    if part is not None:
+        if not stored.startswith(f"{part}."):
+            return None
+        stored = stored.removeprefix(f"{part}.")
     for name in (stored, f"model.{stored}"):
         if name in wanted:
             return name

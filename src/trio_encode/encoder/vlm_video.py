@@ -1,27 +1,43 @@
-"""A video through a Qwen-VL model's own video path: from decoded frames to the rows, the grid
-and the metadata SGLang's prefill reads.
+"""A video through a VLM's own video path: from decoded frames to the rows, the grid and the
+metadata its prefill reads. Each family's path is one strategy (:class:`QwenVideo`,
+:class:`OnevisionVideo`, :class:`InternvlVideo`) behind :class:`VideoPath`.
 
-SGLang's encode server gives a Qwen-VL video two resizes before the model sees it. Its own
-(``preprocess_video``) bounds each frame's pixels by :class:`VideoPixels` and resizes the
-frames, as uint8, with torchvision's bilinear, antialiased tensor resize (computed in float32,
-rounded back to uint8). Then the model's transformers video processor resizes them again by its
-own rule (Qwen2-VL's per-frame ``smart_resize``, or Qwen3-VL's, which counts the frames too),
-with torchvision's bicubic antialiased resize, which on a CPU tensor runs on the uint8 frames
-directly; then rescales and normalises them in one step and cuts them into patches of
-``temporal_patch_size`` frames. Both run on the CPU there (SGLang's encoder decodes videos on
-the CPU). transformers' video processors import torchvision, whose index wheels do not load
-with the CPU build of torch, so each step is done here with the torch calls torchvision makes
+**Qwen-VL.** SGLang's encode server gives a Qwen-VL video two resizes before the model sees
+it. Its own (``preprocess_video``) bounds each frame's pixels by :class:`VideoPixels` and
+resizes the frames, as uint8, with torchvision's bilinear, antialiased tensor resize (computed
+in float32, rounded back to uint8). Then the model's transformers video processor resizes them
+again by its own rule (Qwen2-VL's per-frame ``smart_resize``, or Qwen3-VL's, which counts the
+frames too), with torchvision's bicubic antialiased resize, which on a CPU tensor runs on the
+uint8 frames directly; then rescales and normalises them in one step and cuts them into
+patches of ``temporal_patch_size`` frames. Both run on the CPU there (SGLang's encoder decodes
+videos on the CPU). The rows come from the model's own ``get_video_features``, laid out as for
+images (Qwen3-VL's deepstack layers beside the merger's output per token). What SGLang's
+prefill reads beside them is computed as its encoder computes it: ``second_per_grid_ts`` for
+Qwen2.5-VL and ``video_timestamps`` for Qwen3-VL and the families after it.
+
+**LLaVA-OneVision and InternVL.** SGLang 0.5.23's encode server has no video path for them
+(it refuses both architectures for encoder disaggregation, and its encoder's video loading
+serves only the Qwen-VL and GLM families); its colocated server hands the whole video to the
+model's transformers processor. Here the frames are the ones the server's sampling settings
+choose (the same rule and defaults as for Qwen-VL; a fixed, even count of frames spread
+evenly, these models' own usage, is ``min_frames = max_frames``), with no resize before the
+model's own video processor, which resizes every frame to the tower's square (bicubic,
+antialiased, as checkpoints configure it), rescales and normalises
+(:class:`SquareFramesVideo`). LLaVA-OneVision's rows are its ``get_video_features``: each
+frame's tokens pooled 2 x 2 (bilinear), frame after frame, then the model's newline row once
+per video, as its forward scatters them into the prompt's video tokens. InternVL's are its
+``get_image_features`` on the frames as tiles, frame after frame, as its processor hands a
+video to the model (its prompt holds one image's context tokens per frame). One forward a
+video; no grid and no metadata.
+
+transformers' video processors import torchvision, whose index wheels do not load with the
+CPU build of torch, so each step is done here with the torch calls torchvision makes
 (``torch.nn.functional.interpolate``), in the same order and dtypes: the tests hold the result
 equal, to the bit, to the processor's own output where torchvision is installed.
 
-The rows come from the model's own ``get_video_features``, laid out as for images (Qwen3-VL's
-deepstack layers beside the merger's output per token). What SGLang's prefill reads beside
-them is computed as its encoder computes it: ``second_per_grid_ts`` for Qwen2.5-VL and
-``video_timestamps`` for Qwen3-VL and the families after it.
-
 Use: :meth:`VideoPath.for_model` once per model (None for a model without this path);
 :meth:`VideoPath.prepare` in a decode thread (CPU work, no model); :meth:`VideoPath.features`
-in the model's thread (one forward for any number of videos).
+in the model's thread (Qwen-VL: one forward for any number of videos).
 """
 
 from __future__ import annotations
@@ -30,9 +46,9 @@ import logging
 import math
 import platform
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -125,7 +141,9 @@ PROCESSOR_DEFAULTS: dict[str, dict[str, Any]] = {
     "Qwen2VLVideoProcessor": _QWEN2_PROCESSOR,
     "Qwen3VLVideoProcessor": _QWEN3_PROCESSOR,
 }
-"""The transformers video processors reproduced here, by class name, with their defaults."""
+"""The Qwen-VL video processors reproduced here, by class name, with their defaults."""
+ONEVISION_PROCESSOR = "LlavaOnevisionVideoProcessor"
+INTERNVL_PROCESSOR = "InternVLVideoProcessor"
 FAMILY_PROCESSORS: dict[str, str] = {
     "qwen2_vl": "Qwen2VLVideoProcessor",
     "qwen2_5_vl": "Qwen2VLVideoProcessor",
@@ -133,9 +151,31 @@ FAMILY_PROCESSORS: dict[str, str] = {
     "qwen3_vl_moe": "Qwen3VLVideoProcessor",
     "qwen3_5": "Qwen3VLVideoProcessor",
     "qwen3_5_moe": "Qwen3VLVideoProcessor",
+    "llava_onevision": ONEVISION_PROCESSOR,
+    "internvl": INTERNVL_PROCESSOR,
 }
 """The families with a video path here, by ``model_type``, with the video processor
 transformers gives each when its saved configuration names none."""
+
+
+@dataclass(frozen=True)
+class FixedSizeSettings:
+    """What LLaVA-OneVision's and InternVL's transformers video processors do to frames: their
+    classes' defaults (the same for both), overridden by the saved configuration
+    (:func:`fixed_size_settings`)."""
+
+    height: int = 384
+    width: int = 384
+    """Every frame is resized to ``height x width``, whatever its aspect."""
+    image_mean: tuple[float, ...] = _CLIP_MEAN
+    image_std: tuple[float, ...] = _CLIP_STD
+    rescale_factor: float = 1 / 255
+    do_resize: bool = True
+    do_rescale: bool = True
+    do_normalize: bool = True
+    resample: int = 3
+    """PIL's number for the filter: 2 bilinear, 3 bicubic (the only two supported here)."""
+
 
 _SECONDS_PER_GRID = frozenset({"qwen2_5_vl"})
 """Families whose prefill reads ``second_per_grid_ts``."""
@@ -147,7 +187,8 @@ def processor_class(model_type: str, saved: Mapping[str, Any]) -> str | None:
     """The video processor class transformers' ``AutoVideoProcessor`` picks for a model of
     ``model_type`` with the saved configuration ``saved``: the one it names, else the image
     processor's namesake, else the family's; None for remote code, a class not reproduced
-    here or one configured to cap each frame's pixels by the video's length."""
+    here for this family's path or one configured to cap each frame's pixels by the video's
+    length."""
     if "auto_map" in saved or saved.get("cap_pixels_per_frame"):
         return None  # remote code; or a per-frame cap (transformers' next default) not done here
     named = saved.get("video_processor_type")
@@ -156,8 +197,11 @@ def processor_class(model_type: str, saved: Mapping[str, Any]) -> str | None:
         inferred = image.replace("ImageProcessor", "VideoProcessor")
         if image and _transformers_has(inferred):
             named = inferred
-    named = named or FAMILY_PROCESSORS.get(model_type)
-    return named if named in PROCESSOR_DEFAULTS else None
+    family = FAMILY_PROCESSORS.get(model_type)
+    named = named or family
+    if family is None or named not in VIDEO_PROCESSORS:
+        return None
+    return named if VIDEO_PROCESSORS[named] is VIDEO_PROCESSORS[family] else None
 
 
 def _transformers_has(name: str) -> bool:
@@ -197,6 +241,29 @@ def processor_settings(class_name: str, saved: Mapping[str, Any]) -> ProcessorSe
             "(bilinear, 2, or bicubic, 3)"
         )
     return ProcessorSettings(**values)
+
+
+def fixed_size_settings(saved: Mapping[str, Any]) -> FixedSizeSettings:
+    """LLaVA-OneVision's or InternVL's video processor as the saved configuration ``saved``
+    makes it (keys of the configuration over the class's defaults). Raises
+    :class:`ValueError` naming what is not reproduced here: a size other than ``height`` and
+    ``width``, a centre crop or a filter other than bilinear or bicubic."""
+    size = {key: value for key, value in (saved.get("size") or {}).items() if value}
+    if size and set(size) != {"height", "width"}:
+        raise ValueError(f"a size of {size} (only height and width are reproduced)")
+    if saved.get("do_center_crop"):
+        raise ValueError("a centre crop")
+    values: dict[str, Any] = {key: int(value) for key, value in size.items()}
+    for key in ("rescale_factor", "do_resize", "do_rescale", "do_normalize", "resample"):
+        if saved.get(key) is not None:
+            values[key] = saved[key]
+    for key in ("image_mean", "image_std"):
+        if saved.get(key) is not None:
+            values[key] = tuple(float(v) for v in saved[key])
+    settings = replace(FixedSizeSettings(), **values)
+    if int(settings.resample) not in (2, 3):
+        raise ValueError(f"the resample filter {settings.resample} (bilinear, 2, or bicubic, 3)")
+    return settings
 
 
 def sglang_frame_size(height: int, width: int, frames: int, pixels: VideoPixels) -> tuple[int, int]:
@@ -315,7 +382,9 @@ def native_uint8_bilinear() -> bool:
     )
 
 
-def normalize(frames: torch.Tensor, settings: ProcessorSettings) -> torch.Tensor:
+def normalize(
+    frames: torch.Tensor, settings: ProcessorSettings | FixedSizeSettings
+) -> torch.Tensor:
     """Rescale and normalise as transformers' processors do: both in one step (the mean and
     standard deviation scaled by ``1 / rescale_factor`` in float32, then
     ``(x - mean) / std``), or whichever of the two is on."""
@@ -356,8 +425,10 @@ Grid3 = tuple[int, int, int]
 
 @dataclass(frozen=True, eq=False)
 class PreparedVideo(Prepared):
-    """One video as the model takes it (``pixels``: its ``pixel_values_videos``; ``grid``: its
-    ``video_grid_thw``; ``tokens``: its rows) and the metadata SGLang's prefill reads."""
+    """One video as the model takes it (``pixels``: its ``pixel_values_videos``, Qwen-VL's
+    patches or the ``(T, C, S, S)`` frames of :class:`SquareFramesVideo`; ``grid``: Qwen-VL's
+    ``video_grid_thw``, else None; ``tokens``: its rows) and the metadata SGLang's prefill
+    reads."""
 
     second_per_grid_ts: float | None = None
     """Seconds per temporal patch (Qwen2.5-VL), else None."""
@@ -375,24 +446,257 @@ class PreparedVideo(Prepared):
         return tuple(meta)
 
 
-class VideoPath:
+class FamilyVideo(Protocol):
+    """What differs between the families' video paths (a :class:`VideoPath` holds one)."""
+
+    @property
+    def recipe(self) -> dict[str, Any]:
+        """The settings beyond the model that :meth:`prepare` turns frames into the model's
+        input by (part of a video's key)."""
+        ...
+
+    def prepare(self, decoded: DecodedVideo) -> PreparedVideo:
+        """The decoded frames as the model takes them, with their token count and metadata.
+        CPU work only; safe to run in several threads at once."""
+        ...
+
+    def features(self, vlm: VLMVisionModel, videos: Sequence[PreparedVideo]) -> list[torch.Tensor]:
+        """``vlm``'s own features of ``videos`` (called in inference mode): each video's rows
+        as the model's forward puts them in the prompt's video tokens."""
+        ...
+
+
+class QwenVideo:
     """A Qwen-VL model's video path: SGLang's frame resize and the model's own video
     processor (:meth:`prepare`), and its ``get_video_features`` (:meth:`features`)."""
 
     def __init__(
         self,
-        vlm: VLMVisionModel,
         model_type: str,
         settings: ProcessorSettings,
         sampling: FrameSampling,
         pixels: VideoPixels,
+        merge: int,
     ) -> None:
-        self.vlm = vlm
         self.model_type = model_type
         self.settings = settings
         self.sampling = sampling
+        """The server's frame sampling: Qwen2.5-VL's ``second_per_grid_ts`` follows its rate."""
         self.pixels = pixels
-        self._merge = int(vlm.config.vision_config.spatial_merge_size)
+        self.merge = merge
+        """The vision config's ``spatial_merge_size``: patches per token along each side."""
+
+    @classmethod
+    def load(
+        cls,
+        vlm: VLMVisionModel,
+        name: str,
+        saved: Mapping[str, Any],
+        sampling: FrameSampling,
+        pixels: VideoPixels,
+    ) -> QwenVideo:
+        """The path of ``vlm`` with the video processor ``name`` configured by ``saved``."""
+        merge = int(vlm.config.vision_config.spatial_merge_size)
+        settings = processor_settings(name, saved)
+        return cls(str(vlm.config.model_type), settings, sampling, pixels, merge)
+
+    @property
+    def recipe(self) -> dict[str, Any]:
+        return {"pixels": asdict(self.pixels), "processor": asdict(self.settings)}
+
+    def prepare(self, decoded: DecodedVideo) -> PreparedVideo:
+        frames = torch.from_numpy(np.ascontiguousarray(decoded.frames)).permute(0, 3, 1, 2)
+        count, _, height, width = frames.shape
+        frames = sglang_resize(frames, sglang_frame_size(height, width, count, self.pixels))
+        settings = self.settings
+        if settings.do_resize:
+            height, width = frames.shape[-2:]
+            size = processor_frame_size(height, width, count, settings)
+            frames = processor_resize(frames.unsqueeze(0), size, settings.resample)[0]
+        pixels, grid = patchify(normalize(frames.unsqueeze(0), settings)[0], settings)
+        t, h, w = grid
+        seconds: float | None = None
+        stamps: tuple[float, ...] | None = None
+        if self.model_type in _SECONDS_PER_GRID:
+            seconds = second_per_grid_ts(self.sampling, settings.temporal_patch_size)
+        if self.model_type in _TIMESTAMPS:
+            stamps = tuple(video_timestamps(list(decoded.indices), decoded.fps, self.merge))
+        return PreparedVideo(
+            pixels.contiguous(),
+            t * h * w // self.merge**2,
+            grid,
+            second_per_grid_ts=seconds,
+            video_timestamps=stamps,
+        )
+
+    def features(self, vlm: VLMVisionModel, videos: Sequence[PreparedVideo]) -> list[torch.Tensor]:
+        """Every video's patches packed in one sequence with their grids; each video's rows
+        laid out as its images' (Qwen3-VL: the merger's output, then each deepstack layer's,
+        side by side)."""
+        device = vlm.device
+        pixels = torch.cat([video.pixels for video in videos]).to(device)
+        grids = torch.tensor([video.grid for video in videos], dtype=torch.long, device=device)
+        out = vlm.model.get_video_features(pixel_values_videos=pixels, video_grid_thw=grids)
+        rows: list[torch.Tensor] = list(out.pooler_output)
+        if vlm.family.deepstack:
+            layers = [list(layer) for layer in out.deepstack_features]
+            rows = [
+                torch.cat([main, *(layer[index] for layer in layers)], dim=-1)
+                for index, main in enumerate(rows)
+            ]
+        return rows
+
+
+class SquareFramesVideo:
+    """A video path whose video processor resizes every frame to the tower's square (one
+    tile a frame), then rescales and normalises (:class:`FixedSizeSettings`): the frames as
+    the model's ``pixel_values_videos``, ``(T, C, S, S)``, and ``frame_tokens`` rows a frame,
+    plus :attr:`trailing_rows` a video."""
+
+    trailing_rows = 0
+    """Rows the model appends once per video, after its frames'."""
+
+    def __init__(self, settings: FixedSizeSettings, frame_tokens: int) -> None:
+        self.settings = settings
+        self.frame_tokens = frame_tokens
+        """Rows of one frame."""
+
+    @staticmethod
+    def read_settings(
+        vlm: VLMVisionModel, name: str, saved: Mapping[str, Any]
+    ) -> FixedSizeSettings | None:
+        """The video processor ``name`` as ``saved`` configures it; None (with a warning)
+        for a configuration not reproduced here or frames of another size than the tower
+        takes (the model would refuse them)."""
+        side = _first(vlm.config.vision_config.image_size)
+        try:
+            settings = fixed_size_settings(saved)
+        except ValueError as exc:
+            log.warning("the video processor (%s) has %s, not reproduced here; no video", name, exc)
+            return None
+        if not settings.do_resize or (settings.height, settings.width) != (side, side):
+            log.warning(
+                "%s gives frames of %sx%s pixels (resize %s); the model's tower takes %dx%d; "
+                "no video",
+                name,
+                settings.width,
+                settings.height,
+                "on" if settings.do_resize else "off",
+                side,
+                side,
+            )
+            return None
+        return settings
+
+    @property
+    def recipe(self) -> dict[str, Any]:
+        return {"processor": asdict(self.settings)}
+
+    def prepare(self, decoded: DecodedVideo) -> PreparedVideo:
+        frames = torch.from_numpy(np.ascontiguousarray(decoded.frames)).permute(0, 3, 1, 2)
+        settings = self.settings
+        size = (settings.height, settings.width)
+        frames = processor_resize(frames.unsqueeze(0), size, settings.resample)[0]
+        pixels = normalize(frames.unsqueeze(0), settings)[0]
+        tokens = len(frames) * self.frame_tokens + self.trailing_rows
+        return PreparedVideo(pixels.contiguous(), tokens)
+
+
+class OnevisionVideo(SquareFramesVideo):
+    """A LLaVA-OneVision model's video path: its own video processor on the chosen frames
+    (:meth:`prepare`), and its ``get_video_features`` (:meth:`features`): each frame's tokens
+    pooled 2 x 2, then the model's newline row."""
+
+    trailing_rows = 1
+
+    @classmethod
+    def load(
+        cls,
+        vlm: VLMVisionModel,
+        name: str,
+        saved: Mapping[str, Any],
+        sampling: FrameSampling,
+        pixels: VideoPixels,
+    ) -> OnevisionVideo | None:
+        """The path of ``vlm`` with its video processor configured by ``saved``; None where
+        :meth:`read_settings` refuses it. A frame's rows: the tower's patches a side, halved
+        (rounded up) by the model's 2 x 2 pooling, squared."""
+        settings = cls.read_settings(vlm, name, saved)
+        if settings is None:
+            return None
+        vision = vlm.config.vision_config
+        patches = int(vision.image_size) // int(vision.patch_size)
+        return cls(settings, math.ceil(patches / 2) ** 2)
+
+    def features(self, vlm: VLMVisionModel, videos: Sequence[PreparedVideo]) -> list[torch.Tensor]:
+        """One forward a video, its frames the tower's batch: a video's rows are then the
+        model's for that video alone, whatever it is batched with (the tower's kernels round
+        differently with the number of frames they are given, so frames of several videos in
+        one forward would not be)."""
+        return [
+            vlm.model.get_video_features(
+                pixel_values_videos=video.pixels.unsqueeze(0).to(vlm.device)
+            ).pooler_output[0]
+            for video in videos
+        ]
+
+
+class InternvlVideo(SquareFramesVideo):
+    """An InternVL model's video path: its own video processor on the chosen frames
+    (:meth:`prepare`), each frame one tile of ``get_image_features`` (:meth:`features`), as
+    its processor hands a video's frames to the model (and puts one image's context tokens
+    in the prompt for each frame)."""
+
+    @classmethod
+    def load(
+        cls,
+        vlm: VLMVisionModel,
+        name: str,
+        saved: Mapping[str, Any],
+        sampling: FrameSampling,
+        pixels: VideoPixels,
+    ) -> InternvlVideo | None:
+        """The path of ``vlm`` with its video processor configured by ``saved``; None where
+        :meth:`read_settings` refuses it. A frame's rows: one tile's (the image path's)."""
+        settings = cls.read_settings(vlm, name, saved)
+        per_tile = vlm.family.tokens_per_tile
+        assert per_tile is not None  # InternVL's family counts a tile's tokens
+        return None if settings is None else cls(settings, per_tile(vlm.config))
+
+    def features(self, vlm: VLMVisionModel, videos: Sequence[PreparedVideo]) -> list[torch.Tensor]:
+        """One forward a video, its frames the tower's batch (see
+        :meth:`OnevisionVideo.features`): its frames' rows, frame after frame."""
+        rows = []
+        for video in videos:
+            out = vlm.model.get_image_features(pixel_values=video.pixels.to(vlm.device))
+            rows.append(out.pooler_output.reshape(-1, out.pooler_output.shape[-1]))
+        return rows
+
+
+def _first(value: Any) -> int:
+    """A size given as one number or as ``[height, width]`` (InternVL's), as one number."""
+    return int(value[0] if isinstance(value, (list, tuple)) else value)
+
+
+VIDEO_PROCESSORS: dict[str, type[QwenVideo] | type[OnevisionVideo] | type[InternvlVideo]] = {
+    "Qwen2VLVideoProcessor": QwenVideo,
+    "Qwen3VLVideoProcessor": QwenVideo,
+    ONEVISION_PROCESSOR: OnevisionVideo,
+    INTERNVL_PROCESSOR: InternvlVideo,
+}
+"""The transformers video processors reproduced here, by class name, with the path each
+belongs to: a family takes the classes of its own processor's path."""
+
+
+class VideoPath:
+    """A VLM's video path: its family's (:class:`FamilyVideo`) and the server's frame
+    sampling, which chooses the frames :meth:`prepare` is given."""
+
+    def __init__(self, vlm: VLMVisionModel, family: FamilyVideo, sampling: FrameSampling) -> None:
+        self.vlm = vlm
+        self.model_type = str(vlm.config.model_type)
+        self.family = family
+        self.sampling = sampling
 
     @classmethod
     def for_model(
@@ -423,51 +727,26 @@ class VideoPath:
                 saved.get("video_processor_type") or saved.get("auto_map"),
             )
             return None
-        settings = processor_settings(name, saved)
-        return cls(vlm, model_type, settings, sampling or FrameSampling(), pixels or VideoPixels())
+        sampling = sampling or FrameSampling()
+        family = VIDEO_PROCESSORS[name].load(vlm, name, saved, sampling, pixels or VideoPixels())
+        return None if family is None else cls(vlm, family, sampling)
+
+    @property
+    def recipe(self) -> dict[str, Any]:
+        """Everything beyond the model that turns a video's bytes into the model's input:
+        the frame sampling and the family's settings (:attr:`FamilyVideo.recipe`). The same
+        bytes with another recipe are other rows."""
+        return {"sampling": asdict(self.sampling), **self.family.recipe}
 
     def prepare(self, decoded: DecodedVideo) -> PreparedVideo:
-        """The frames SGLang's rule chose, as the model takes them, with their token count
-        and metadata. CPU work only; safe to run in several threads at once."""
-        frames = torch.from_numpy(np.ascontiguousarray(decoded.frames)).permute(0, 3, 1, 2)
-        count, _, height, width = frames.shape
-        frames = sglang_resize(frames, sglang_frame_size(height, width, count, self.pixels))
-        settings = self.settings
-        if settings.do_resize:
-            height, width = frames.shape[-2:]
-            size = processor_frame_size(height, width, count, settings)
-            frames = processor_resize(frames.unsqueeze(0), size, settings.resample)[0]
-        pixels, grid = patchify(normalize(frames.unsqueeze(0), settings)[0], settings)
-        t, h, w = grid
-        seconds: float | None = None
-        stamps: tuple[float, ...] | None = None
-        if self.model_type in _SECONDS_PER_GRID:
-            seconds = second_per_grid_ts(self.sampling, settings.temporal_patch_size)
-        if self.model_type in _TIMESTAMPS:
-            stamps = tuple(video_timestamps(list(decoded.indices), decoded.fps, self._merge))
-        return PreparedVideo(
-            pixels.contiguous(),
-            t * h * w // self._merge**2,
-            grid,
-            second_per_grid_ts=seconds,
-            video_timestamps=stamps,
-        )
+        """The frames the server's sampling chose, as the model takes them, with their token
+        count and metadata. CPU work only; safe to run in several threads at once."""
+        return self.family.prepare(decoded)
 
     def features(self, videos: Sequence[PreparedVideo]) -> list[torch.Tensor]:
-        """One forward of the model's ``get_video_features`` over ``videos``: one
-        ``(tokens, hidden)`` tensor each, in the model's dtype, laid out as its images' rows
-        (Qwen3-VL: the merger's output, then each deepstack layer's, side by side)."""
+        """The model's own features of ``videos`` (its family's forwards): one
+        ``(tokens, hidden)`` tensor each, in the model's dtype."""
         vlm = self.vlm
-        device = vlm.device
         with torch.inference_mode():
-            pixels = torch.cat([video.pixels for video in videos]).to(device)
-            grids = torch.tensor([video.grid for video in videos], dtype=torch.long, device=device)
-            out = vlm.model.get_video_features(pixel_values_videos=pixels, video_grid_thw=grids)
-            rows = list(out.pooler_output)
-            if vlm.family.deepstack:
-                layers = [list(layer) for layer in out.deepstack_features]
-                rows = [
-                    torch.cat([main, *(layer[index] for layer in layers)], dim=-1)
-                    for index, main in enumerate(rows)
-                ]
+            rows = self.family.features(vlm, videos)
             return [row.to(vlm.dtype).contiguous() for row in rows]

@@ -60,9 +60,9 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
 
-MODALITIES = {"IMAGE": "IMAGE", "MULTI_IMAGES": "IMAGE", "VIDEO": "VIDEO"}
+MODALITIES = {"IMAGE": "IMAGE", "MULTI_IMAGES": "IMAGE", "VIDEO": "VIDEO", "AUDIO": "AUDIO"}
 """SGLang's modality names served (matched case-insensitively), and what each item is: a
-``VIDEO`` part needs a model with a video path (the encoder says so otherwise)."""
+``VIDEO`` or ``AUDIO`` part needs a model with that path (the encoder says so otherwise)."""
 
 
 class MediaItem(_Body):
@@ -107,7 +107,7 @@ class EncodeRequest(_Body):
 
     @property
     def items_are(self) -> str:
-        """What the items are: ``IMAGE`` or ``VIDEO``."""
+        """What the items are: ``IMAGE``, ``VIDEO`` or ``AUDIO``."""
         return MODALITIES[self.modality]
 
     @model_validator(mode="after")

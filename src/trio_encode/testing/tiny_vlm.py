@@ -8,6 +8,7 @@ would, in seconds. Needs the ``hf`` extra."""
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,9 +34,12 @@ FAMILIES: dict[str, str] = {
     "internvl": "InternVL",
     "clip": "CLIP vision tower",
     "siglip": "SigLIP vision tower",
+    "qwen2_audio": "Qwen2-Audio",
+    "qwen2_5_omni": "Qwen2.5-Omni",
 }
 """Every family :func:`save_tiny_model` makes, by its ``model_type``, with its name (InternVL
-in transformers' format, as the ``-hf`` checkpoints; CLIP and SigLIP as bare towers)."""
+in transformers' format, as the ``-hf`` checkpoints; CLIP and SigLIP as bare towers;
+Qwen2-Audio takes no images)."""
 
 
 def family_named(name: str) -> str | None:
@@ -61,6 +65,10 @@ def save_tiny_model(family: str, path: Path, *, seed: int = 0) -> Path:
         raise ValueError(f"no tiny model of {family!r}; families: {', '.join(FAMILIES)}")
     if family == "qwen2_5_vl":
         return save_tiny_qwen2_5_vl(path, seed=seed)
+    if family == "qwen2_audio":
+        return save_tiny_qwen2_audio(path, seed=seed)
+    if family == "qwen2_5_omni":
+        return save_tiny_qwen2_5_omni(path, seed=seed)
     import torch
     import transformers
 
@@ -108,6 +116,105 @@ def save_tiny_qwen2_5_vl(path: Path, *, seed: int = 0) -> Path:
         min_pixels=28 * 28 * 16, max_pixels=28 * 28 * 256
     )
     processor.save_pretrained(str(path))
+    return path
+
+
+_AUDIO_TOWER: dict[str, Any] = {
+    "d_model": 32,
+    "encoder_layers": 2,
+    "encoder_attention_heads": 2,
+    "encoder_ffn_dim": 48,
+    "num_mel_bins": 128,
+    "max_source_positions": 1500,
+}
+"""A two-layer, 32-wide Whisper-style audio encoder of 128 mel bins (Qwen2-Audio's and
+Qwen2.5-Omni's), with its full 30 s window of positions."""
+AUDIO_IDS: dict[str, int] = {
+    "audio_token_id": 11,
+    "audio_bos_token_id": 12,
+    "audio_eos_token_id": 13,
+}
+"""The audio models' token ids (within :data:`TINY_TEXT`'s vocabulary)."""
+
+
+def save_tiny_qwen2_audio(
+    path: Path, *, seed: int = 0, audio_token_id: int = AUDIO_IDS["audio_token_id"]
+) -> Path:
+    """Write a tiny Qwen2-Audio (its audio encoder, projector and a one-layer language model
+    of :data:`TINY_TEXT`) and its Whisper feature extractor into ``path``; returns ``path``."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.Qwen2AudioConfig(
+        audio_config={"model_type": "qwen2_audio_encoder", **_AUDIO_TOWER},
+        text_config={"model_type": "qwen2", **TINY_TEXT, **TEXT_TOKEN_IDS},
+        audio_token_index=audio_token_id,
+    )
+    transformers.Qwen2AudioForConditionalGeneration(config).save_pretrained(str(path))
+    extractor: Any = transformers.WhisperFeatureExtractor
+    extractor(feature_size=128).save_pretrained(str(path))
+    return path
+
+
+OMNI_CHECKPOINT_NAMES: tuple[tuple[str, str], ...] = (
+    ("model.audio_tower.", "thinker.audio_tower."),
+    ("model.visual.", "thinker.visual."),
+    ("model.language_model.", "thinker.model."),
+    ("lm_head.", "thinker.lm_head."),
+)
+"""The thinker's tensors as transformers names them, and as Qwen2.5-Omni's checkpoints do."""
+
+
+def save_tiny_qwen2_5_omni(
+    path: Path, *, seed: int = 0, token_ids: dict[str, int] | None = None
+) -> Path:
+    """Write a tiny Qwen2.5-Omni as its checkpoints are laid out into ``path``; returns
+    ``path``: the whole model's config (its talker and token2wav at their defaults: never
+    built, no tensors), the thinker's tensors under ``thinker.`` in the original layout, and
+    one ``preprocessor_config.json`` for both its image processor and its Whisper feature
+    extractor (a 300 s window). ``token_ids`` overrides the thinker's token ids (its
+    ``*_token_index`` and ``*_token_id`` keys)."""
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    thinker: dict[str, Any] = {
+        "audio_config": {**_AUDIO_TOWER, "n_window": 50, "output_dim": TINY_TEXT["hidden_size"]},
+        "vision_config": {
+            **_QWEN_VISION,
+            "hidden_size": 32,
+            "intermediate_size": 48,
+            "out_hidden_size": TINY_TEXT["hidden_size"],
+            "window_size": 56,
+            "fullatt_block_indexes": [1],
+        },
+        "text_config": {**TINY_TEXT, **TEXT_TOKEN_IDS, "rope_parameters": mrope()},
+        "audio_token_index": AUDIO_IDS["audio_token_id"],
+        "audio_start_token_id": AUDIO_IDS["audio_bos_token_id"],
+        "audio_end_token_id": AUDIO_IDS["audio_eos_token_id"],
+        "image_token_index": QWEN_IDS["image_token_id"],
+        "video_token_index": QWEN_IDS["video_token_id"],
+        "vision_start_token_id": 14,
+        "vision_end_token_id": 15,
+        **(token_ids or {}),
+    }
+    config = transformers.Qwen2_5OmniConfig(thinker_config=thinker)
+    config.architectures = ["Qwen2_5OmniModel"]
+    torch.manual_seed(seed)
+    thinker_config: Any = config.thinker_config
+    model = transformers.Qwen2_5OmniThinkerForConditionalGeneration(thinker_config)
+    tensors = {}
+    for name, tensor in model.state_dict().items():
+        ours, theirs = next(pair for pair in OMNI_CHECKPOINT_NAMES if name.startswith(pair[0]))
+        tensors[theirs + name.removeprefix(ours)] = tensor.contiguous()
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(config.to_json_string())
+    images = transformers.Qwen2VLImageProcessor(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 256)
+    whisper: Any = transformers.WhisperFeatureExtractor
+    extractor = whisper(feature_size=128, chunk_length=300, return_attention_mask=True)
+    saved = {**images.to_dict(), **extractor.to_dict(), "processor_class": "Qwen2_5OmniProcessor"}
+    (path / "preprocessor_config.json").write_text(json.dumps(saved, indent=2))
     return path
 
 
