@@ -974,7 +974,7 @@ MUTANTS: dict[str, Mutant] = {
         "decoded = decode_video(data, self.video.sampling)",
         (
             "tests/test_encoder_video_limits.py::test_each_video_limit_setting_refuses_a_clip_o"
-            "ver_it_as_a_413[video_max_seconds-1.5]",
+            "ver_it_as_a_413[video_decode_cpu_seconds-1e-09]",
         ),
     ),
     "a video over a limit answered 400": Mutant(

@@ -174,7 +174,7 @@ def test_a_header_over_a_limit_is_refused_before_any_packet_is_decoded(
 ) -> None:
     data = write(name, 22_050, 3.0, channels=2)
     decodes = Calls(monkeypatch, "_decode")
-    with pytest.raises(AudioTooLong, match=f"declares .*\\({named_limit}\\)") as caught:
+    with pytest.raises(AudioTooLong, match=f"declares .*\\((audio_)?{named_limit}\\)") as caught:
         decode_audio(data, 16_000, limits)
     assert caught.value.status == 413
     assert decodes.count == 0
@@ -194,7 +194,7 @@ def test_a_tiny_file_claiming_hours_is_refused_from_its_header(
     data = flac_total_samples(write("flac", 16_000, 0.5), 3 * 3600 * 16_000)
     assert len(data) < 20_000
     decodes = Calls(monkeypatch, "_decode")
-    with pytest.raises(AudioTooLong, match=r"declares 10800\.0 seconds.*\(max_seconds\)"):
+    with pytest.raises(AudioTooLong, match=r"declares 10800\.0 seconds.*\(audio_max_seconds\)"):
         decode_audio(data, 16_000)
     assert decodes.count == 0
 
@@ -211,7 +211,9 @@ def test_more_samples_than_declared_are_stopped_with_bounded_memory(declared: in
     full = 120 * 16_000 * 4
     tracemalloc.start()
     try:
-        with pytest.raises(AudioTooLong, match=r"has more than 5\.\d seconds.*\(max_seconds\)"):
+        with pytest.raises(
+            AudioTooLong, match=r"has more than 5\.\d seconds.*\(audio_max_seconds\)"
+        ):
             decode_audio(data, 16_000, limits)
         _, peak = tracemalloc.get_traced_memory()
     finally:
@@ -224,7 +226,7 @@ def test_more_samples_than_declared_are_stopped_with_bounded_memory(declared: in
 
 def test_a_clip_a_little_over_without_a_declared_length_is_stopped_while_decoding() -> None:
     data = flac_total_samples(write("flac", 16_000, 3.01), 0)
-    with pytest.raises(AudioTooLong, match=r"has more than 3\.0 seconds.*\(max_seconds\)"):
+    with pytest.raises(AudioTooLong, match=r"has more than 3\.0 seconds.*\(audio_max_seconds\)"):
         decode_audio(data, 16_000, AudioLimits(max_seconds=3.0))
     assert decode_audio(data, 16_000, AudioLimits(max_seconds=3.01)).duration == 3.01
 
@@ -233,7 +235,7 @@ def test_output_over_its_bytes_is_stopped_while_decoding(monkeypatch: pytest.Mon
     data = flac_total_samples(write("flac", 16_000, 3.0), 0)  # no declared length
     decodes = Calls(monkeypatch, "_decode")
     # Three seconds at 48 kHz are 576,000 bytes of float32.
-    with pytest.raises(AudioTooLong, match=r"has more than .*\(max_output_bytes\)"):
+    with pytest.raises(AudioTooLong, match=r"has more than .*\(audio_max_output_bytes\)"):
         decode_audio(data, 48_000, AudioLimits(max_output_bytes=500_000))
     assert decodes.count == 1
     assert decode_audio(data, 48_000, AudioLimits(max_output_bytes=576_000)).samples.nbytes == (
@@ -247,7 +249,9 @@ def test_a_decode_past_its_budget_is_stopped(monkeypatch: pytest.MonkeyPatch) ->
     data = write("flac", 16_000, 30.0)
     ticks = iter(range(10**6))
     monkeypatch.setattr(audio, "_cpu_clock", lambda: float(next(ticks)))
-    with pytest.raises(AudioTooLong, match=r"more than 10 CPU seconds.*\(budget_s\)"):
+    with pytest.raises(
+        AudioTooLong, match=r"more than 10 CPU seconds.*\(audio_decode_cpu_seconds\)"
+    ):
         decode_audio(data, 16_000, AudioLimits(budget_s=10.0))
     assert next(ticks) == 12  # the start, 11 frames, then this read
 
@@ -316,3 +320,16 @@ def test_a_clip_without_samples_is_refused() -> None:
     data = b"RIFF" + struct.pack("<I", len(body)) + body
     with pytest.raises(InvalidInput, match="no samples"):
         decode_audio(data, 16_000)
+
+
+def test_the_limits_are_the_settings() -> None:
+    """Each audio setting reaches its limit, and the defaults are stated once."""
+    from trio_encode.encoder import EncoderSettings
+
+    assert AudioLimits.from_settings(EncoderSettings()) == AudioLimits()
+    settings = EncoderSettings(
+        audio_max_seconds=7.0, audio_max_output_bytes=12345, audio_decode_cpu_seconds=3.0
+    )
+    assert AudioLimits.from_settings(settings) == AudioLimits(
+        max_seconds=7.0, max_output_bytes=12345, budget_s=3.0
+    )

@@ -40,6 +40,12 @@ import numpy as np
 import numpy.typing as npt
 
 from trio_encode.encoder.images import MediaKind
+from trio_encode.encoder.settings import (
+    AUDIO_DECODE_CPU_SECONDS,
+    AUDIO_MAX_OUTPUT_BYTES,
+    AUDIO_MAX_SECONDS,
+    EncoderSettings,
+)
 from trio_encode.errors import InvalidInput, MediaTooLarge
 
 
@@ -50,17 +56,27 @@ class AudioLimits:
     audio models served take in one clip (Qwen2-Audio's window is 30 s), so a limit refuses
     only what no model would use."""
 
-    max_seconds: float = 600.0
-    """Duration, declared or decoded."""
+    max_seconds: float = AUDIO_MAX_SECONDS
+    """Duration, declared or decoded (``audio_max_seconds``)."""
     max_channels: int = 8
     """Channels of the stream: each is decoded before the mix to one."""
     max_sample_rate: int = 192_000
     """The clip's own sampling rate: samples decoded per second of sound."""
-    max_output_bytes: int = 256 << 20
-    """Bytes of the float32 samples returned (ten minutes at 48 kHz are 115 MB)."""
-    budget_s: float = 30.0
-    """CPU seconds of the calling thread for the whole call. Thread time, not wall time: a
-    decode waiting for a core is not the one being slow."""
+    max_output_bytes: int = AUDIO_MAX_OUTPUT_BYTES
+    """Bytes of the float32 samples returned (``audio_max_output_bytes``)."""
+    budget_s: float = AUDIO_DECODE_CPU_SECONDS
+    """CPU seconds of the calling thread for the whole call (``audio_decode_cpu_seconds``).
+    Thread time, not wall time: a decode waiting for a core is not the one being slow."""
+
+    @classmethod
+    def from_settings(cls, settings: EncoderSettings) -> AudioLimits:
+        """The limits a server's settings set (channels and sampling rate keep their
+        defaults)."""
+        return cls(
+            max_seconds=settings.audio_max_seconds,
+            max_output_bytes=settings.audio_max_output_bytes,
+            budget_s=settings.audio_decode_cpu_seconds,
+        )
 
 
 class AudioTooLong(MediaTooLarge):
@@ -258,7 +274,9 @@ def _declared_seconds(
 
 
 def _over_seconds(what: str, limits: AudioLimits) -> str:
-    return f"the audio {what} seconds; the limit is {limits.max_seconds:g} seconds (max_seconds)"
+    return (
+        f"the audio {what} seconds; the limit is {limits.max_seconds:g} seconds (audio_max_seconds)"
+    )
 
 
 def _decode(
@@ -327,7 +345,7 @@ def _check_output(samples: int, verb: str, limits: AudioLimits) -> None:
     if samples * 4 > limits.max_output_bytes:
         raise AudioTooLong(
             f"the audio {verb} {samples} samples at the model's rate, {samples * 4} bytes; the "
-            f"limit is {limits.max_output_bytes} bytes (max_output_bytes)"
+            f"limit is {limits.max_output_bytes} bytes (audio_max_output_bytes)"
         )
 
 
@@ -335,5 +353,5 @@ def _check_budget(started: float, limits: AudioLimits) -> None:
     if _cpu_clock() - started > limits.budget_s:
         raise AudioTooLong(
             f"the audio took more than {limits.budget_s:g} CPU seconds to decode; the limit is "
-            f"{limits.budget_s:g} seconds (budget_s)"
+            f"{limits.budget_s:g} seconds (audio_decode_cpu_seconds)"
         )

@@ -149,8 +149,8 @@ class Batcher:
         """The model's audio path (None: the model encodes no audio)."""
         self.video_limits = VideoLimits.from_settings(settings)
         """What one video may cost to decode (the settings' ``video_*`` limits)."""
-        self.audio_limits = AudioLimits()
-        """What one audio clip may cost to decode."""
+        self.audio_limits = AudioLimits.from_settings(settings)
+        """What one audio clip may cost to decode (the settings' ``audio_*`` limits)."""
         self.settings = settings
         self.observer = observer
         self.keeper = keeper

@@ -81,6 +81,12 @@ VIDEO_DECODE_CPU_SECONDS = 20.0
 settings, whose docstrings say why), which are also those of
 :class:`~trio_encode.encoder.video.VideoLimits`."""
 
+AUDIO_MAX_SECONDS = 600.0
+AUDIO_MAX_OUTPUT_BYTES = 256 * MiB
+AUDIO_DECODE_CPU_SECONDS = 30.0
+"""The defaults of the audio limits (the ``audio_*`` settings, whose docstrings say why),
+which are also those of :class:`~trio_encode.encoder.audio.AudioLimits`."""
+
 model_setting = in_group("model")
 batching_setting = in_group("batching")
 cache_setting = in_group("cache")
@@ -233,6 +239,17 @@ class EncoderSettings:
     """CPU seconds one video's decode may take (reading its packets and decoding its frames,
     counted on its own thread); it is stopped at the next packet or frame past it (413). With
     one video decode thread, this is also what a video may keep the next one waiting."""
+    audio_max_seconds: float = server_setting(AUDIO_MAX_SECONDS, gt=0)
+    """Duration of one audio clip, declared by its container or decoded; longer ones get 413.
+    Ten minutes: far more than the audio models served take in one clip (Qwen2-Audio's window
+    is 30 s, and a longer clip is refused by its model anyway)."""
+    audio_max_output_bytes: ByteSize = server_setting(AUDIO_MAX_OUTPUT_BYTES, gt=0)
+    """Bytes of one clip's decoded samples (mono float32 at the model's rate), checked from its
+    header before decoding and as the samples come (413 beyond): what a clip whose header lies
+    can make the server hold. Ten minutes at 48 kHz are 115 MB."""
+    audio_decode_cpu_seconds: float = server_setting(AUDIO_DECODE_CPU_SECONDS, gt=0)
+    """CPU seconds one clip's decode may take (counted on its own thread); it is stopped at the
+    next packet past it (413)."""
     media_dir: ExistingDir | None = server_setting(None)
     """Also accept mm_items that are paths of image files inside this directory (and nowhere
     else)."""
