@@ -25,6 +25,7 @@ ALLOWED = frozenset(
         ("torch", "float32"),
         ("torch", "bfloat16"),
         ("torch", "float16"),
+        ("torch", "LongTensor"),
         ("sglang.srt.disaggregation.encoder.receiver", "EmbeddingData"),
         ("sglang.srt.managers.schedule_batch", "Modality"),
         ("sglang.srt.multimodal.modality", "Modality"),

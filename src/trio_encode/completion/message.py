@@ -5,13 +5,15 @@ arrives on its ZMQ PULL socket (``tcp://{prefill_host}:{embedding_port}``, field
 ``/send``): SGLang's own encoder pushes, after each rank's transfer, its ``EmbeddingData``
 without the tensor. The rank loads it with SGLang's ``safe_pickle_loads``, an unpickler that
 resolves only an exact list of ``(module, name)`` globals and refuses every other one. These
-bytes name three globals, all on that list (SGLang 0.5.23):
+bytes name these globals, all on that list (SGLang 0.5.23):
 
 - ``sglang.srt.disaggregation.encoder.receiver.EmbeddingData``, the object, rebuilt as pickle
   rebuilds a plain instance (``__new__`` without arguments, then its ``__dict__``);
 - ``sglang.srt.multimodal.modality.Modality``, called with the member's value (``IMAGE`` 1,
   ``VIDEO`` 2, ``AUDIO`` 3: its ``auto()`` members in that order);
-- ``torch.<dtype>`` (``torch.bfloat16``...), the embedding's dtype, as ``pickle`` writes one.
+- ``torch.<dtype>`` (``torch.bfloat16``...), the embedding's dtype, as ``pickle`` writes one;
+- ``torch.LongTensor``, called with a list of ints: an audio part's grid, its clips' lengths
+  (SGLang's receiver calls ``.flatten()`` on it, which a list lacks).
 
 The ``__dict__`` holds what ``EmbeddingData.copy_without_embedding()`` leaves, in its order:
 ``req_id`` (the part's id), ``num_parts``, ``part_idx``, ``grid_dim``, ``modality``,
@@ -20,7 +22,8 @@ The ``__dict__`` holds what ``EmbeddingData.copy_without_embedding()`` leaves, i
 encoder passes it as keyword arguments (a video's ``video_timestamps`` and
 ``second_per_grid_ts``, which SGLang's ``MultiModalEmbeddingData`` copies per part and chains
 as lists). An error message has no grid, dtype or shape (None) and a message and an HTTP status
-instead. Values are only None, ints, floats, strings and lists, so nothing else needs allowing.
+instead. Other values are only None, ints, floats, strings and lists, so nothing else needs
+allowing.
 Protocol 2 opcodes, no memo: the smallest subset every unpickler since Python 2.3 reads.
 """
 
@@ -32,6 +35,7 @@ from dataclasses import dataclass
 
 EMBEDDING_DATA = ("sglang.srt.disaggregation.encoder.receiver", "EmbeddingData")
 MODALITY = ("sglang.srt.multimodal.modality", "Modality")
+LONG_TENSOR = ("torch", "LongTensor")
 MODALITIES = {"IMAGE": 1, "VIDEO": 2, "AUDIO": 3}
 """``Modality[name].value`` by name: the enum's ``auto()`` members in order."""
 META = frozenset({"video_timestamps", "second_per_grid_ts"})
@@ -89,11 +93,19 @@ class CompletionMessage:
             ("req_id", self.req_id),
             ("num_parts", self.num_parts),
             ("part_idx", self.part_idx),
-            ("grid_dim", grid),
         )
         for key, value in head:
             _value(out, key)
             _value(out, value)
+        _value(out, "grid_dim")
+        if grid is not None and self.modality == "AUDIO":
+            # SGLang's receiver flattens an audio part's grid with ``.flatten()``: a tensor,
+            # its clips' lengths in a row, as its own encoder sends them.
+            _global(out, *LONG_TENSOR)
+            _value(out, [length for row in grid for length in row])
+            out += b"\x85R"  # TUPLE1 REDUCE: torch.LongTensor(lengths)
+        else:
+            _value(out, grid)
         _value(out, "modality")
         _global(out, *MODALITY)
         _value(out, MODALITIES[self.modality])

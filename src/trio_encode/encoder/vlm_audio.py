@@ -214,20 +214,20 @@ def _qwen2_audio_rows(
 def _omni_rows(
     model: Any, clips: Sequence[PreparedAudio], device: torch.device, dtype: torch.dtype
 ) -> list[torch.Tensor]:
-    """Qwen2.5-Omni's thinker: its ``get_audio_features`` on the clips' features, padded to
-    the longest with their frames' mask (it packs each clip's frames and splits them into its
-    attention windows itself); each clip's rows in turn."""
-    longest = max(int(clip.pixels.shape[-1]) for clip in clips)
-    first = clips[0].pixels
-    features = first.new_zeros((len(clips), first.shape[0], longest))
-    for index, clip in enumerate(clips):
-        features[index, :, : clip.pixels.shape[-1]] = clip.pixels
-    frames = torch.tensor([clip.audio_feature_lens for clip in clips])
-    mask = (torch.arange(longest)[None, :] < frames[:, None]).to(torch.long)
-    out = model.get_audio_features(
-        input_features=features.to(device), feature_attention_mask=mask.to(device)
-    )
-    return list(torch.split(out.last_hidden_state, [clip.tokens for clip in clips]))
+    """Qwen2.5-Omni's thinker: its ``get_audio_features`` on each clip's features with its
+    frames' mask (it packs the frames and splits them into its attention windows itself). One
+    call a clip: its convolutions run over all the clips of a call as one batch, whose kernels
+    round differently with the batch's shape, and a clip's rows must not depend on what it is
+    batched with."""
+    rows = []
+    for clip in clips:
+        frames = int(clip.pixels.shape[-1])
+        mask = (torch.arange(frames) < clip.audio_feature_lens).to(torch.long)[None, :]
+        out = model.get_audio_features(
+            input_features=clip.pixels[None].to(device), feature_attention_mask=mask.to(device)
+        )
+        rows.append(out.last_hidden_state)
+    return rows
 
 
 _ROWS: dict[
