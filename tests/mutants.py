@@ -1065,6 +1065,120 @@ MUTANTS: dict[str, Mutant] = {
             "indexes_it_by_chunk[handlers3-deltas3-True]",
         ),
     ),
+    "audio decoded in the image threads": Mutant(
+        "encoder/batcher.py",
+        '        run = self.in_worker_thread if modality == "IMAGE" else self.in_media_thread',
+        '        run = self.in_worker_thread if modality != "VIDEO" else self.in_media_thread',
+        (
+            "tests/test_encoder_audio_parts.py::test_an_image_is_served_while_clips_hold_every_"
+            "media_thread[1]",
+        ),
+    ),
+    "AUDIO not among the modalities": Mutant(
+        "encoder/front.py",
+        '"VIDEO": video, "AUDIO": audio}',
+        '"VIDEO": video}',
+        (
+            "tests/test_encoder_audio_parts.py::test_a_part_of_clips_is_the_models_audio_path_t"
+            "o_the_bit[qwen2_audio]",
+        ),
+    ),
+    "an audio model takes images": Mutant(
+        "encoder/front.py",
+        'paths = {"IMAGE": takes_images(backend),',
+        'paths = {"IMAGE": True,',
+        (
+            "tests/test_encoder_audio_parts.py::test_an_audio_model_refuses_an_image_part_befor"
+            "e_loading_it",
+        ),
+    ),
+    "audio loaded as images": Mutant(
+        "encoder/front.py",
+        '        if modality != "IMAGE":\n            return await self._load_media(',
+        '        if modality == "VIDEO":\n            return await self._load_media(',
+        (
+            "tests/test_encoder_audio_parts.py::test_a_part_of_clips_is_the_models_audio_path_t"
+            "o_the_bit[qwen2_audio]",
+        ),
+    ),
+    "the audio recipe left out of a clip's key": Mutant(
+        "encoder/front.py",
+        '    if modality == "AUDIO" and audio is not None:',
+        "    if False:",
+        ("tests/test_encoder_audio_parts.py::test_an_audio_clips_key_names_its_recipe",),
+    ),
+    "an audio-only model warmed up on an image": Mutant(
+        "encoder/batcher.py",
+        "        if not self.images and self.audio is not None:",
+        "        if False:",
+        (
+            "tests/test_encoder_audio_parts.py::test_an_audio_only_model_warms_up_on_a_clip_of_"
+            "silence",
+        ),
+    ),
+    "an audio clip decoded without the settings' limits": Mutant(
+        "encoder/batcher.py",
+        "clip = decode_audio(data, self.audio.sampling_rate, self.audio_limits)",
+        "clip = decode_audio(data, self.audio.sampling_rate)",
+        (
+            "tests/test_encoder_audio_parts.py::test_a_clip_over_the_decode_limits_is_a_413_nam"
+            "ing_its_item[qwen2_audio]",
+        ),
+    ),
+    "the settings' audio limits not read": Mutant(
+        "encoder/batcher.py",
+        "self.audio_limits = AudioLimits.from_settings(settings)",
+        "self.audio_limits = AudioLimits()",
+        (
+            "tests/test_encoder_audio_parts.py::"
+            "test_a_clip_over_the_decode_limits_is_a_413_naming_its_item[qwen2_audio]",
+        ),
+    ),
+    "audio clips forwarded by the image path": Mutant(
+        "encoder/batcher.py",
+        "        if isinstance(item, PreparedAudio):\n            assert self.audio is not None",
+        "        if False:\n            assert self.audio is not None",
+        (
+            "tests/test_encoder_audio_parts.py::test_a_part_of_clips_is_the_models_audio_path_t"
+            "o_the_bit[qwen2_5_omni]",
+        ),
+    ),
+    "no audio path looked up": Mutant(
+        "encoder/front.py",
+        "audio=audio if audio is not None else audio_path_for(backend, self.settings),",
+        "audio=audio,",
+        (
+            "tests/test_encoder_audio_parts.py::test_a_part_of_clips_is_the_models_audio_path_t"
+            "o_the_bit[qwen2_audio]",
+        ),
+    ),
+    "Omni serves no images": Mutant(
+        "encoder/front.py",
+        "    return not isinstance(model, VLMVisionModel) or model.family.images",
+        "    return not isinstance(model, VLMVisionModel)",
+        (
+            "tests/test_encoder_audio_parts.py::test_a_part_of_clips_is_the_models_audio_path_t"
+            "o_the_bit[qwen2_5_omni]",
+        ),
+    ),
+    "an audio part's grid sent as a list": Mutant(
+        "completion/message.py",
+        '        if grid is not None and self.modality == "AUDIO":',
+        "        if False:",
+        (
+            "tests/test_encoder_audio_parts.py::test_an_audio_parts_rank_is_told_its_modality_a"
+            "nd_clip_lengths[qwen2_audio]",
+        ),
+    ),
+    "Omni clips of a forward in one call": Mutant(
+        "encoder/vlm_audio.py",
+        "    rows = []\n    for clip in clips:",
+        "    rows = []\n    for clip in clips[:0]:",
+        (
+            "tests/test_encoder_vlm_audio.py::test_omni_rows_are_the_thinkers_own_get_audio_fea"
+            "tures",
+        ),
+    ),
     "a video's deepstack columns dropped": Mutant(
         "encoder/vlm_video.py",
         "        if vlm.family.deepstack:",

@@ -315,11 +315,14 @@ async def test_a_clip_that_is_not_one_is_a_400_naming_its_item(model_dir: Path) 
 
 
 async def test_a_clip_over_the_decode_limits_is_a_413_naming_its_item(model_dir: Path) -> None:
-    """The batcher decodes with its own :class:`AudioLimits`; a clip over one is refused as
-    too large (413), not as malformed, and named."""
-    async with running(model_dir) as encoder:
-        encoder.batcher.audio_limits = AudioLimits(max_seconds=2.0)
-        with pytest.raises(MediaTooLarge, match=r"^mm_items\[1\]: the audio declares 2\.5 seconds"):
+    """The batcher decodes with the settings' :class:`AudioLimits`; a clip over one is refused
+    as too large (413), not as malformed, and named with the setting."""
+    async with running(model_dir, audio_max_seconds=2.0) as encoder:
+        assert encoder.batcher.audio_limits == AudioLimits(max_seconds=2.0)
+        with pytest.raises(
+            MediaTooLarge,
+            match=r"^mm_items\[1\]: the audio declares 2\.5 seconds.*\(audio_max_seconds\)",
+        ):
             await encoder.encode([WAV, FLAC], "AUDIO")
         (rows,) = split(await encoder.encode([WAV], "AUDIO"))  # within them: served
     assert rows.shape[0] == 25
