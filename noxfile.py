@@ -113,9 +113,10 @@ def sglang(session: nox.Session) -> None:
     ``WaitingRDMARequest`` with its Mooncake engine and pool) against two real servers of a
     tiny Qwen2.5-VL, TP=2 and TP=4: one image, several, two parts on two servers, pulls before
     /encode, a bad image, a bad image in one of two parts, an image and a video on two servers,
-    two videos and an image, a bad video beside an image. Every request must complete with the
-    bytes /encode's checksum names and its grids and video metadata, or abort at once with our
-    error. ``-- 2`` runs TP=2 only."""
+    two videos and an image, a bad video beside an image; then of a tiny Qwen2-Audio: one
+    clip, three clips on two servers, pulls before /encode, a bad clip beside a good one. Every
+    request must complete with the bytes /encode's checksum names and its grids, video
+    metadata and clip lengths, or abort at once with our error. ``-- 2`` runs TP=2 only."""
     _install(session, "mooncake", "group:sglang")
     session.install("--no-deps", "sglang==0.5.23")
     session.run(

@@ -706,14 +706,14 @@ MUTANTS: dict[str, Mutant] = {
     ),
     "SGLang's frame resize not rounded": Mutant(
         "encoder/vlm_video.py",
-        "    return torch.round(out).to(torch.uint8)",
-        "    return out.to(torch.uint8)",
+        "= torch.round(chunk).to(torch.uint8)",
+        "= chunk.to(torch.uint8)",
         (VIDEO + "test_each_resize_gives_torchvisions_bytes[sglang_down]",),
     ),
     "SGLang's frame resize not antialiased": Mutant(
         "encoder/vlm_video.py",
-        '        mode="bilinear",\n        align_corners=False,\n        antialias=True,',
-        '        mode="bilinear",\n        align_corners=False,\n        antialias=False,',
+        '            mode="bilinear",\n            align_corners=False,\n            antialias=True,',
+        '            mode="bilinear",\n            align_corners=False,\n            antialias=False,',
         (VIDEO + "test_each_resize_gives_torchvisions_bytes[sglang_down]",),
     ),
     "a frame's share of the video's pixels ignored": Mutant(
@@ -1178,6 +1178,12 @@ MUTANTS: dict[str, Mutant] = {
             "tests/test_encoder_vlm_audio.py::test_omni_rows_are_the_thinkers_own_get_audio_fea"
             "tures",
         ),
+    ),
+    "a long video's frames past the first resize chunk left blank": Mutant(
+        "encoder/vlm_video.py",
+        "    for start in range(0, frames.shape[0], RESIZE_FRAMES):",
+        "    for start in range(0, min(frames.shape[0], RESIZE_FRAMES), RESIZE_FRAMES):",
+        (VIDEO + "test_sglangs_resize_of_a_long_video_is_each_frames_own",),
     ),
     "a video's deepstack columns dropped": Mutant(
         "encoder/vlm_video.py",

@@ -469,3 +469,15 @@ def test_the_class_defaults_are_transformers(name: str) -> None:
         processor.do_rescale,
         processor.do_normalize,
     )
+
+
+def test_sglangs_resize_of_a_long_video_is_each_frames_own() -> None:
+    """The frames are resized a few at a time (memory); every frame comes out as it would
+    alone, the last ones of an uneven count too."""
+    frames = torch.from_numpy(
+        np.random.default_rng(7).integers(0, 256, (19, 3, 40, 56), dtype=np.uint8)
+    )
+    together = sglang_resize(frames, (30, 44))
+    assert together.shape == (19, 3, 30, 44)
+    for index in range(19):
+        assert torch.equal(together[index], sglang_resize(frames[index : index + 1], (30, 44))[0])

@@ -56,10 +56,10 @@ MediaMeta = tuple[tuple[str, float | list[float] | list[list[float]]], ...]
 class Media:
     """Which of SGLang's modalities a part's rows are, and what its prefill reads beside them
     (a video part's ``video_timestamps`` or ``second_per_grid_ts``); its grids are the
-    modality's (``image_grid_thw``, ``video_grid_thw``)."""
+    modality's (``image_grid_thw``, ``video_grid_thw``, an audio part's clip lengths)."""
 
     modality: str = "IMAGE"
-    """SGLang's ``Modality`` member name: ``IMAGE`` or ``VIDEO``."""
+    """SGLang's ``Modality`` member name: ``IMAGE``, ``VIDEO`` or ``AUDIO``."""
     meta: MediaMeta = ()
 
 

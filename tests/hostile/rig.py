@@ -714,6 +714,7 @@ ERROR_KINDS = frozenset(
         "released",
         "request_timeout",
         "too_large",
+        "media_too_large",
         "unsupported_media_type",
         "headers_too_large",
         "encode_failed",

@@ -6,11 +6,12 @@ with SGLang's ``MooncakeTransferEngine`` (TCP), SGLang's ``EmbeddingPool`` logic
 request, SGLang's ``WaitingRDMARequest`` polled as its scheduler polls it
 (``_try_recv_mm_data`` every tick); the tokenizer's dispatch is SGLang's
 ``MMReceiverHTTP.encode``. The servers serve a tiny random-weight Qwen2.5-VL (its image and
-video paths). A request passes when every rank ends ``SUCCESS``, the bytes SGLang hands its
-model processor equal, part by part, the checksum ``/encode`` reports for those items, and the
-grids and video metadata SGLang hands it equal what ``/encode`` reports (or, for a bad item,
-when every rank aborts at once with our error). A request of images and a video is split by
-SGLang into parts of both modalities, on both servers.
+video paths), then a tiny Qwen2-Audio (its audio path). A request passes when every rank ends
+``SUCCESS``, the bytes SGLang hands its model processor equal, part by part, the checksum
+``/encode`` reports for those items, and the grids, video metadata and clip lengths SGLang
+hands it equal what ``/encode`` reports (or, for a bad item, when every rank aborts at once
+with our error). A request of images and a video is split by SGLang into parts of both
+modalities, on both servers.
 
 What is not SGLang's own code here, and why:
 

@@ -233,8 +233,9 @@ class EncoderSettings:
     """The decoded frames SGLang's sampling chooses from one video, as RGB at the video's own
     size (frames x width x height x 3), checked before any frame is decoded (413 beyond). The
     768 frames of a 480p video, or 172 frames (86 s at 2 a second) of 1080p; the model sees
-    them shrunk to 90 million pixels or fewer, but they are decoded whole first, and resized
-    all at once in float32: a video's decode peaks at about eight times its frames' bytes."""
+    them shrunk to 90 million pixels or fewer, but they are decoded whole first: a video's
+    decode peaks at about twice its frames' bytes (they are resized eight at a time in
+    float32), plus the model's input (at most 90 million pixels in float32, about 1 GiB)."""
     video_decode_cpu_seconds: float = server_setting(VIDEO_DECODE_CPU_SECONDS, gt=0)
     """CPU seconds one video's decode may take (reading its packets and decoding its frames,
     counted on its own thread); it is stopped at the next packet or frame past it (413). With

@@ -331,6 +331,10 @@ def _check_ratio(height: int, width: int) -> None:
         )
 
 
+RESIZE_FRAMES = 8
+"""Frames resized in float32 at once by :func:`sglang_resize`."""
+
+
 def sglang_resize(frames: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
     """``(T, C, H, W)`` uint8 frames resized as SGLang's encoder does
     (torchvision's ``transforms.functional.resize``, bilinear, antialiased, on a uint8
@@ -338,14 +342,19 @@ def sglang_resize(frames: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
     size."""
     if tuple(frames.shape[-2:]) == size:
         return frames
-    out = F.interpolate(
-        frames.to(torch.float32),
-        size=list(size),
-        mode="bilinear",
-        align_corners=False,
-        antialias=True,
-    )
-    return torch.round(out).to(torch.uint8)
+    # A few frames at a time: each frame is resized alone whatever its batch, and the float32
+    # copies of a whole video would be eight times its uint8 frames.
+    out = torch.empty((*frames.shape[:-2], *size), dtype=torch.uint8)
+    for start in range(0, frames.shape[0], RESIZE_FRAMES):
+        chunk = F.interpolate(
+            frames[start : start + RESIZE_FRAMES].to(torch.float32),
+            size=list(size),
+            mode="bilinear",
+            align_corners=False,
+            antialias=True,
+        )
+        out[start : start + RESIZE_FRAMES] = torch.round(chunk).to(torch.uint8)
+    return out
 
 
 def processor_resize(frames: torch.Tensor, size: tuple[int, int], resample: int) -> torch.Tensor:

@@ -231,7 +231,7 @@ class Exposed:
 
     # The encoder (encode_seconds is timed here; the rest are its own events, EncoderObserver).
     encode_seconds = _Metric(Histogram, ("modality",), buckets=_ENCODE_BUCKETS)
-    """One encoder run, by the part's modality (IMAGE, VIDEO)."""
+    """One encoder run, by the part's modality (IMAGE, VIDEO, AUDIO)."""
     encoder_queue_images = _Metric(Gauge)
     """Images waiting for a forward pass now."""
     encoder_batch_size = _Metric(Histogram, buckets=(1, 2, 4, 8, 16, 32, 64))
