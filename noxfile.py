@@ -147,6 +147,7 @@ def video_processor(session: nox.Session) -> None:
         "video_processor",
         "tests/test_encoder_vlm_video.py",
         "tests/test_encoder_vlm_video_square.py",
+        "tests/test_encoder_vlm_video_omni.py",
         *session.posargs,
     )
 

@@ -712,8 +712,12 @@ MUTANTS: dict[str, Mutant] = {
     ),
     "SGLang's frame resize not antialiased": Mutant(
         "encoder/vlm_video.py",
-        '            mode="bilinear",\n            align_corners=False,\n            antialias=True,',
-        '            mode="bilinear",\n            align_corners=False,\n            antialias=False,',
+        '            mode="bilinear",\n'
+        "            align_corners=False,\n"
+        "            antialias=True,",
+        '            mode="bilinear",\n'
+        "            align_corners=False,\n"
+        "            antialias=False,",
         (VIDEO + "test_each_resize_gives_torchvisions_bytes[sglang_down]",),
     ),
     "a frame's share of the video's pixels ignored": Mutant(
@@ -843,8 +847,8 @@ MUTANTS: dict[str, Mutant] = {
     ),
     "audio: a header's output bytes unchecked": Mutant(
         "encoder/audio.py",
-        '            _check_output(math.ceil(header.seconds * sampling_rate), "declares", limits)',
-        "            pass",
+        '        _check_output(math.ceil(header.seconds * sampling_rate), "declares", limits)',
+        "        pass",
         (
             "tests/test_encoder_audio.py::test_a_header_over_a_limit_is_refused_before_any_pack"
             "et_is_decoded[flac-limits2-max_output_bytes-exact2]",
@@ -992,7 +996,7 @@ MUTANTS: dict[str, Mutant] = {
     ),
     "video headers checked only in the video thread": Mutant(
         "encoder/batcher.py",
-        '            if modality == "VIDEO":  # what the headers refuse',
+        '            if modality != "IMAGE":  # what the headers refuse',
         "            if False:  # what the headers refuse",
         (
             "tests/test_encoder_video_limits.py::test_a_video_its_header_refuses_is_answered_wh"
@@ -1185,6 +1189,58 @@ MUTANTS: dict[str, Mutant] = {
         "    for start in range(0, min(frames.shape[0], RESIZE_FRAMES), RESIZE_FRAMES):",
         (VIDEO + "test_sglangs_resize_of_a_long_video_is_each_frames_own",),
     ),
+    "audio headers read only in the media thread": Mutant(
+        "encoder/batcher.py",
+        '            if modality != "IMAGE":  # what the headers refuse',
+        '            if modality == "VIDEO":  # what the headers refuse',
+        (
+            "tests/hostile/test_audio.py::test_hostile_audio_is_refused_naming_its_item_and_lim"
+            "it_and_images_are_served_beside",
+        ),
+    ),
+    "Qwen2.5-Omni's seconds per grid not sent": Mutant(
+        "encoder/vlm_video.py",
+        '_SECONDS_PER_GRID = frozenset({"qwen2_5_vl", "qwen2_5_omni"})',
+        '_SECONDS_PER_GRID = frozenset({"qwen2_5_vl"})',
+        (
+            "tests/test_encoder_vlm_video_omni.py::test_the_metadata_is_second_per_grid_ts_as_s"
+            "glangs_encoder_reports_it[tiny]",
+        ),
+    ),
+    "Qwen2.5-Omni without a video path": Mutant(
+        "encoder/vlm_video.py",
+        '    "qwen2_5_omni": "Qwen2VLVideoProcessor",\n',
+        "",
+        (
+            "tests/test_encoder_vlm_video_omni.py::test_the_encoder_serves_omni_videos_beside_i"
+            "mages_and_audio",
+        ),
+    ),
+    "an Omni video path looked up by the thinker's model_type": Mutant(
+        "encoder/vlm_video.py",
+        "        model_type = vlm.model_type\n        if model_type not in FAMILY_PROCESSORS:",
+        "        model_type = str(vlm.config.model_type)\n        if model_type not in FAMILY_P"
+        "ROCESSORS:",
+        (
+            "tests/test_encoder_vlm_video_omni.py::test_the_encoder_serves_omni_videos_beside_i"
+            "mages_and_audio",
+        ),
+    ),
+    "an Omni video's metadata chosen by the thinker's model_type": Mutant(
+        "encoder/vlm_video.py",
+        "return cls(vlm.model_type, settings, sampling, pixels, merge)",
+        "return cls(str(vlm.config.model_type), settings, sampling, pixels, merge)",
+        (
+            "tests/test_encoder_vlm_video_omni.py::test_the_metadata_is_second_per_grid_ts_as_s"
+            "glangs_encoder_reports_it[tiny]",
+        ),
+    ),
+    "the access log without an /encode's modality": Mutant(
+        "server/app.py",
+        '                fields["modality"] = modality',
+        "                pass",
+        ("tests/test_http_probes.py::test_one_access_log_line_per_answer[True]",),
+    ),
     "a video's deepstack columns dropped": Mutant(
         "encoder/vlm_video.py",
         "        if vlm.family.deepstack:",
@@ -1193,8 +1249,8 @@ MUTANTS: dict[str, Mutant] = {
     ),
     "Qwen2.5-VL's seconds per grid not sent": Mutant(
         "encoder/vlm_video.py",
-        '_SECONDS_PER_GRID = frozenset({"qwen2_5_vl"})',
-        "_SECONDS_PER_GRID = frozenset()",
+        '_SECONDS_PER_GRID = frozenset({"qwen2_5_vl", "qwen2_5_omni"})',
+        '_SECONDS_PER_GRID = frozenset({"qwen2_5_omni"})',
         (VIDEO + "test_metadata_is_sglangs[qwen2_5_vl]",),
     ),
     "a video kept without its metadata: a hit answers without it": Mutant(

@@ -63,7 +63,7 @@ TOO_LONG = write("wav", 8_000, 31.0)
 """Past Qwen2-Audio's 30 s window (Qwen2.5-Omni's is 300 s)."""
 T = TypeVar("T")
 FAMILIES = ("qwen2_audio", "qwen2_5_omni")
-SERVES = {"qwen2_audio": {"AUDIO"}, "qwen2_5_omni": {"IMAGE", "AUDIO"}}
+SERVES = {"qwen2_audio": {"AUDIO"}, "qwen2_5_omni": {"IMAGE", "VIDEO", "AUDIO"}}
 
 
 def uri(data: bytes) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import math
 import struct
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -580,12 +581,12 @@ def test_a_file_without_video_is_refused() -> None:
 def test_frames_past_the_packet_count_are_stopped() -> None:
     """The count behind the decode: never more new frames than packets, and never more than
     twice the packets in all (what seeks may decode again)."""
-    count = video._Count(3, VideoLimits(), 0.0)
+    count = video._Count(3, VideoLimits(), time.thread_time())
     for stamp in (10, 20, 30):
         count.add(stamp)
     with pytest.raises(VideoTooBig, match="more than the 3 frames"):
         count.add(40)
-    again = video._Count(3, VideoLimits(), 0.0)
+    again = video._Count(3, VideoLimits(), time.thread_time())
     for stamp in (10, 20, 30, 10, 20, 30):
         again.add(stamp)
     with pytest.raises(VideoTooBig, match="more than the 3 frames"):

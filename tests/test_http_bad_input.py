@@ -113,7 +113,7 @@ CASES = [
     ),
     invalid("receive-count-zero", "/encode", encode(receive_count=0), "receive_count"),
     invalid("receive-count-string", "/encode", encode(receive_count="4"), "receive_count"),
-    invalid("modality-audio", "/encode", encode(modality="AUDIO"), "IMAGE, MULTI_IMAGES, VIDEO"),
+    invalid("modality-text", "/encode", encode(modality="TEXT"), "MULTI_IMAGES, VIDEO, AUDIO"),
     # Quoted, a client's string shows its first characters and its length, never all of it.
     invalid("modality-huge", "/encode", encode(modality="V" * 50_000), "... (50000 chars)"),
     # Integers that reach a completion message are bounded, however many digits they have.

@@ -104,9 +104,11 @@ async def test_one_access_log_line_per_answer(
         200,
         "logged",
     )
+    assert encode.modality == "IMAGE"  # type: ignore[attr-defined]
     assert encode.bytes > 0  # type: ignore[attr-defined]
     assert encode.duration_ms >= 0  # type: ignore[attr-defined]
     assert (missing.path, missing.status, missing.req_id) == ("/nope", 404, None)  # type: ignore[attr-defined]
+    assert not hasattr(missing, "modality")
 
 
 async def test_metrics_time_each_route_and_scope_and_name_the_build(

@@ -400,7 +400,7 @@ async def test_a_pull_for_an_id_no_encode_names_gets_504(rank_engines: RankEngin
         ({"part_idx": 2, "num_parts": 2}, "part_idx 2 is out of range for num_parts 2"),
         ({"part_idx": -1}, "part_idx: Input should be greater than or equal to 0"),
         ({"num_parts": 0, "part_idx": 0}, "num_parts: Input should be greater than or equal to 1"),
-        ({"modality": "AUDIO"}, "modality 'AUDIO' is not supported"),
+        ({"modality": "TEXT"}, "modality 'TEXT' is not supported"),
         ({"mm_items": [{"detail": "auto"}]}, "mm_items.0"),
     ],
 )

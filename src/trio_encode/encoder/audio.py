@@ -174,11 +174,29 @@ def decode_audio(
     container_format = _sniff(data)
     started = _cpu_clock()
     with _opened(data, container_format) as container:
-        header = _check_header(container, limits)
-        if header.seconds is not None:
-            _check_output(math.ceil(header.seconds * sampling_rate), "declares", limits)
+        header = _checked(container, sampling_rate, limits)
         samples = _decode(container, header, sampling_rate, limits, started)
     return DecodedAudio(samples, sampling_rate, header.codec, header.rate, header.channels)
+
+
+def check_audio_header(
+    data: bytes, sampling_rate: int, limits: AudioLimits = AudioLimits()
+) -> None:
+    """Refuse ``data`` from its container and header alone, as :func:`decode_audio` does
+    first, reading no packet: cheap enough to run as a clip arrives, so a clip its header
+    already refuses is answered at once, not after the clips queued for decoding."""
+    with _opened(data, _sniff(data)) as container:
+        _checked(container, sampling_rate, limits)
+
+
+def _checked(
+    container: av.container.InputContainer, sampling_rate: int, limits: AudioLimits
+) -> _Header:
+    """The header, refused over a limit it declares (the samples it would make included)."""
+    header = _check_header(container, limits)
+    if header.seconds is not None:
+        _check_output(math.ceil(header.seconds * sampling_rate), "declares", limits)
+    return header
 
 
 @contextmanager

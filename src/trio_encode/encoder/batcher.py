@@ -41,7 +41,12 @@ from PIL import Image
 
 from trio_encode.arena import Segment
 from trio_encode.embedding import tensor_checksum
-from trio_encode.encoder.audio import AudioLimits, DecodedAudio, decode_audio
+from trio_encode.encoder.audio import (
+    AudioLimits,
+    DecodedAudio,
+    check_audio_header,
+    decode_audio,
+)
 from trio_encode.encoder.backend import Prepared, VisionModel
 from trio_encode.encoder.cache import CacheKey
 from trio_encode.encoder.keeping import (
@@ -257,9 +262,11 @@ class Batcher:
         self._reserved += len(indices)
         run = self.in_worker_thread if modality == "IMAGE" else self.in_media_thread
         try:
-            if modality == "VIDEO":  # what the headers refuse is refused now, not after queued ones
+            if modality != "IMAGE":  # what the headers refuse is refused now, not after queued ones
                 for index in indices:
-                    await self.in_worker_thread(partial(self._check_header, items[index], index))
+                    await self.in_worker_thread(
+                        partial(self._check_header, items[index], index, modality)
+                    )
             # One image per thread call: the worker threads' limiter is first come, first
             # served, so concurrent requests take turns image by image and a request of many
             # large images cannot hold the threads while another's single image waits.
@@ -270,11 +277,16 @@ class Batcher:
         finally:
             self._reserved -= len(indices)
 
-    def _check_header(self, data: bytes, index: int) -> None:
-        """In a worker thread: refuse a video by its container's header (no packet read)."""
+    def _check_header(self, data: bytes, index: int, modality: str) -> None:
+        """In a worker thread: refuse a video or an audio clip by its container's header (no
+        packet read)."""
         try:
-            check_header(data, self.video_limits)
-        except InvalidInput as exc:  # its own class: a video over a limit stays a 413
+            if modality == "VIDEO":
+                check_header(data, self.video_limits)
+            else:
+                assert self.audio is not None
+                check_audio_header(data, self.audio.sampling_rate, self.audio_limits)
+        except InvalidInput as exc:  # its own class: a clip over a limit stays a 413
             raise type(exc)(f"mm_items[{index}]: {exc.message}") from None
 
     def _decode_one(self, data: bytes, index: int, modality: str = "IMAGE") -> Prepared:

@@ -202,6 +202,9 @@ class VLMVisionModel:
         model_dir = settings.model
         transformers = _transformers()
         model_type = str(config_json["model_type"])
+        self.model_type = model_type
+        """The checkpoint's ``model_type`` (the whole model's where a part is served, whose
+        own is :attr:`config`'s)."""
         self.family = FAMILIES[model_type]
         self.dtype = TORCH_DTYPES[settings.model_dtype]
         self.device = torch.device(settings.device)

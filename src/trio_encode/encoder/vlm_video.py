@@ -15,6 +15,12 @@ images (Qwen3-VL's deepstack layers beside the merger's output per token). What 
 prefill reads beside them is computed as its encoder computes it: ``second_per_grid_ts`` for
 Qwen2.5-VL and ``video_timestamps`` for Qwen3-VL and the families after it.
 
+**Qwen2.5-Omni** (its thinker) is a Qwen-VL family here: SGLang's encoder treats its videos as
+Qwen2.5-VL's (the same resize, then the video processor transformers gives the checkpoint,
+Qwen2-VL's, configured by the ``preprocessor_config.json`` its image processor and audio
+feature extractor share, and ``second_per_grid_ts``); the rows are the thinker's
+``get_video_features``, its merge size the thinker's ``vision_config``'s.
+
 **LLaVA-OneVision and InternVL.** SGLang 0.5.23's encode server has no video path for them
 (it refuses both architectures for encoder disaggregation, and its encoder's video loading
 serves only the Qwen-VL and GLM families); its colocated server hands the whole video to the
@@ -147,6 +153,7 @@ INTERNVL_PROCESSOR = "InternVLVideoProcessor"
 FAMILY_PROCESSORS: dict[str, str] = {
     "qwen2_vl": "Qwen2VLVideoProcessor",
     "qwen2_5_vl": "Qwen2VLVideoProcessor",
+    "qwen2_5_omni": "Qwen2VLVideoProcessor",
     "qwen3_vl": "Qwen3VLVideoProcessor",
     "qwen3_vl_moe": "Qwen3VLVideoProcessor",
     "qwen3_5": "Qwen3VLVideoProcessor",
@@ -154,8 +161,8 @@ FAMILY_PROCESSORS: dict[str, str] = {
     "llava_onevision": ONEVISION_PROCESSOR,
     "internvl": INTERNVL_PROCESSOR,
 }
-"""The families with a video path here, by ``model_type``, with the video processor
-transformers gives each when its saved configuration names none."""
+"""The families with a video path here, by the checkpoint's ``model_type``, with the video
+processor transformers gives each when its saved configuration names none."""
 
 
 @dataclass(frozen=True)
@@ -177,7 +184,7 @@ class FixedSizeSettings:
     """PIL's number for the filter: 2 bilinear, 3 bicubic (the only two supported here)."""
 
 
-_SECONDS_PER_GRID = frozenset({"qwen2_5_vl"})
+_SECONDS_PER_GRID = frozenset({"qwen2_5_vl", "qwen2_5_omni"})
 """Families whose prefill reads ``second_per_grid_ts``."""
 _TIMESTAMPS = frozenset({"qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"})
 """Families whose prefill reads ``video_timestamps``."""
@@ -440,7 +447,7 @@ class PreparedVideo(Prepared):
     reads."""
 
     second_per_grid_ts: float | None = None
-    """Seconds per temporal patch (Qwen2.5-VL), else None."""
+    """Seconds per temporal patch (Qwen2.5-VL, Qwen2.5-Omni), else None."""
     video_timestamps: tuple[float, ...] | None = None
     """Seconds of each temporal patch (Qwen3-VL and after), else None."""
 
@@ -507,7 +514,7 @@ class QwenVideo:
         """The path of ``vlm`` with the video processor ``name`` configured by ``saved``."""
         merge = int(vlm.config.vision_config.spatial_merge_size)
         settings = processor_settings(name, saved)
-        return cls(str(vlm.config.model_type), settings, sampling, pixels, merge)
+        return cls(vlm.model_type, settings, sampling, pixels, merge)
 
     @property
     def recipe(self) -> dict[str, Any]:
@@ -703,7 +710,7 @@ class VideoPath:
 
     def __init__(self, vlm: VLMVisionModel, family: FamilyVideo, sampling: FrameSampling) -> None:
         self.vlm = vlm
-        self.model_type = str(vlm.config.model_type)
+        self.model_type = vlm.model_type
         self.family = family
         self.sampling = sampling
 
@@ -720,7 +727,7 @@ class VideoPath:
         it (``processor_config.json``'s ``video_processor``, else
         ``video_preprocessor_config.json``, else the image processor's), without loading the
         processor class (which needs torchvision)."""
-        model_type = str(vlm.config.model_type)
+        model_type = vlm.model_type
         if model_type not in FAMILY_PROCESSORS:
             return None
         from transformers.video_processing_utils import VideoProcessorMixin

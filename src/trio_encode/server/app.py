@@ -381,17 +381,18 @@ class _Recorder:
     ) -> None:
         self.metrics.request_answered(route, status, seconds)
         if self.access:
-            access_log.info(
-                "answered",
-                extra={
-                    "method": method,
-                    "path": path,
-                    "status": status,
-                    "duration_ms": round(seconds * 1000, 3),
-                    "bytes": nbytes,
-                    "req_id": getattr(call, "req_id", None),
-                },
-            )
+            fields = {
+                "method": method,
+                "path": path,
+                "status": status,
+                "duration_ms": round(seconds * 1000, 3),
+                "bytes": nbytes,
+                "req_id": getattr(call, "req_id", None),
+            }
+            modality = getattr(call, "modality", None)  # an /encode's, once its body parsed
+            if modality is not None:
+                fields["modality"] = modality
+            access_log.info("answered", extra=fields)
 
 
 def create_app(service: EncodeService, metrics: Metrics, settings: ServerSettings) -> Any:
@@ -447,7 +448,7 @@ def create_app(service: EncodeService, metrics: Metrics, settings: ServerSetting
             body = await trio.to_thread.run_sync(parse_body, EncodeRequest, raw, limiter=parsing)
         else:
             body = parse_body(EncodeRequest, raw)
-        g.req_id = body.req_id
+        g.req_id, g.modality = body.req_id, body.items_are
         for endpoint in body.endpoints:  # the server pushes to them: receivers' rules apply
             refuse_unless_allowed(endpoint.host, "prefill_host", body.req_id)
         part = Part(body.num_parts or 1, body.part_idx or 0, body.endpoints)
