@@ -937,10 +937,7 @@ MUTANTS: dict[str, Mutant] = {
         "encoder/vlm_audio.py",
         "feature_attention_mask=mask.to(device)",
         "feature_attention_mask=torch.ones_like(mask).to(device)",
-        (
-            "tests/test_encoder_vlm_audio.py::test_omni_rows_are_the_thinkers_own_get_audio_fea"
-            "tures",
-        ),
+        ("tests/test_encoder_vlm_audio.py::test_omni_padding_frames_are_masked",),
     ),
     "Omni's part prefix kept": Mutant(
         "encoder/vlm.py",
@@ -1125,8 +1122,8 @@ MUTANTS: dict[str, Mutant] = {
         "clip = decode_audio(data, self.audio.sampling_rate, self.audio_limits)",
         "clip = decode_audio(data, self.audio.sampling_rate)",
         (
-            "tests/test_encoder_audio_parts.py::test_a_clip_over_the_decode_limits_is_a_413_nam"
-            "ing_its_item[qwen2_audio]",
+            "tests/test_encoder_audio_parts.py::"
+            "test_a_clip_whose_header_understates_it_is_stopped_at_the_settings_limit",
         ),
     ),
     "the settings' audio limits not read": Mutant(

@@ -524,3 +524,21 @@ async def test_an_audio_only_model_warms_up_on_a_clip_of_silence(audio_dir: Path
     assert isinstance(blank, PreparedAudio)
     assert blank.grid == (100,)
     assert torch.equal(rows, reference(audio_path(encoder), WAV))
+
+
+async def test_a_clip_whose_header_understates_it_is_stopped_at_the_settings_limit(
+    audio_dir: Path,
+) -> None:
+    """The header passes (it claims a second); the samples show more than
+    ``audio_max_seconds`` while decoding: the decode runs under the settings' limits, not the
+    defaults."""
+    from hostile.audio import flac
+
+    lying = flac(16_000, 1, 4.0, declared=16_000)
+    async with running(audio_dir, audio_max_seconds=2.0) as encoder:
+        with pytest.raises(
+            MediaTooLarge,
+            match=r"^mm_items\[0\]: the audio has more than [\d.]+ seconds; the limit is 2 "
+            r"seconds \(audio_max_seconds\)",
+        ):
+            await encoder.encode([lying], "AUDIO")

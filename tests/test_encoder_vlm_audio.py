@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -444,3 +444,11 @@ def test_an_omni_clip_past_the_window_is_cut_as_sglang_cuts_it(tmp_path: Path) -
     assert short is not None
     prepared = short.prepare(clip(3.5))
     assert (prepared.audio_feature_lens, prepared.tokens) == (200, 50)
+
+
+def test_omni_padding_frames_are_masked(omni: TinyOmni) -> None:
+    """Features padded past the clip's frames (as a batch padded to its longest clip would
+    be) give the clip's own rows: the padding is masked, never encoded."""
+    one = omni.audio.prepare(clip(1.3, 5))
+    padded = replace(one, pixels=torch.cat([one.pixels, torch.zeros(128, 64)], dim=1))
+    assert torch.equal(omni.audio.features([padded])[0], omni.audio.features([one])[0])
