@@ -26,11 +26,9 @@ Pure and synchronous: each call opens its own container, so decode threads may r
 
 from __future__ import annotations
 
-import io
 import math
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import av
@@ -38,7 +36,9 @@ import av.audio.stream
 import av.container
 import numpy as np
 import numpy.typing as npt
+from av.container import InputContainer
 
+from trio_encode.encoder.containers import MATROSKA_MAGIC, declared_seconds, opened
 from trio_encode.encoder.images import MediaKind
 from trio_encode.encoder.settings import (
     AUDIO_DECODE_CPU_SECONDS,
@@ -110,7 +110,6 @@ _WAV_MAGIC = (b"RIFF", b"RF64")
 _FLAC_MAGIC = b"fLaC"
 _ID3_MAGIC = b"ID3"
 _OGG_MAGIC = b"OggS"
-_MATROSKA_MAGIC = b"\x1a\x45\xdf\xa3"
 _MP4_BOX = b"ftyp"
 CONTAINER_NAMES = "WAV, FLAC, MP3, Ogg, MP4/M4A or WebM/Matroska"
 AUDIO_ITEMS = MediaKind(
@@ -199,14 +198,8 @@ def _checked(
     return header
 
 
-@contextmanager
-def _opened(data: bytes, container_format: str) -> Iterator[av.container.InputContainer]:
-    """The container over ``data``, with FFmpeg's errors as :class:`InvalidInput`."""
-    try:
-        with av.open(io.BytesIO(data), mode="r", format=container_format) as container:
-            yield container
-    except av.FFmpegError as exc:
-        raise InvalidInput(f"the audio could not be decoded: {exc}") from None
+def _opened(data: bytes, container_format: str) -> AbstractContextManager[InputContainer]:
+    return opened(data, container_format, "audio")
 
 
 def _sniff(data: bytes) -> str:
@@ -223,7 +216,7 @@ def _sniff(data: bytes) -> str:
         return "ogg"
     if data[4:8] == _MP4_BOX:
         return "mov"
-    if data.startswith(_MATROSKA_MAGIC):
+    if data.startswith(MATROSKA_MAGIC):
         return "matroska"
     raise InvalidInput(f"the data is not audio in a known container: send {CONTAINER_NAMES}")
 
@@ -262,7 +255,7 @@ def _check_header(container: av.container.InputContainer, limits: AudioLimits) -
     if rate <= 0 or channels <= 0:
         raise InvalidInput(f"the audio declares no sampling rate or channels ({rate}, {channels})")
     _check_format(rate, channels, limits, "declares")
-    seconds = _declared_seconds(container, stream)
+    seconds = declared_seconds(container, stream)
     if seconds is not None and seconds > limits.max_seconds:
         raise AudioTooLong(_over_seconds(f"declares {seconds:.1f}", limits))
     return _Header(stream, codec, rate, channels, seconds)
@@ -279,16 +272,6 @@ def _check_format(rate: int, channels: int, limits: AudioLimits, verb: str) -> N
             f"the audio {verb} {rate} samples a second; the limit is "
             f"{limits.max_sample_rate} (max_sample_rate)"
         )
-
-
-def _declared_seconds(
-    container: av.container.InputContainer, stream: av.audio.stream.AudioStream
-) -> float | None:
-    if stream.duration is not None and stream.time_base is not None and stream.duration > 0:
-        return float(stream.duration * stream.time_base)
-    if container.duration is not None and container.duration > 0:
-        return container.duration / av.time_base
-    return None
 
 
 def _over_seconds(what: str, limits: AudioLimits) -> str:

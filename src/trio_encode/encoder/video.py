@@ -25,12 +25,11 @@ Pure and synchronous: each call opens its own container, so decode threads may r
 from __future__ import annotations
 
 import bisect
-import io
 import math
 import struct
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -39,7 +38,9 @@ import av.container
 import av.video.stream
 import numpy as np
 import numpy.typing as npt
+from av.container import InputContainer
 
+from trio_encode.encoder.containers import MATROSKA_MAGIC, declared_seconds, opened
 from trio_encode.encoder.images import MediaKind
 from trio_encode.encoder.settings import (
     VIDEO_DECODE_CPU_SECONDS,
@@ -141,7 +142,6 @@ class DecodedVideo:
 # The containers whose demuxers may see client bytes, by their magic; each is opened by name,
 # so FFmpeg never probes with its other demuxers.
 _MP4_BOXES = (b"ftyp", b"moov", b"mdat", b"free", b"skip", b"wide", b"pnot")
-_MATROSKA_MAGIC = b"\x1a\x45\xdf\xa3"
 _TS_PACKET = 188
 CONTAINER_NAMES = "MP4/MOV, WebM/Matroska or MPEG-TS"
 VIDEO_ITEMS = MediaKind(
@@ -274,14 +274,8 @@ def decode_video(
     )
 
 
-@contextmanager
-def _opened(data: bytes, container_format: str) -> Iterator[av.container.InputContainer]:
-    """The container over ``data``, with FFmpeg's errors as :class:`InvalidInput`."""
-    try:
-        with av.open(io.BytesIO(data), mode="r", format=container_format) as container:
-            yield container
-    except av.FFmpegError as exc:
-        raise InvalidInput(f"the video could not be decoded: {exc}") from None
+def _opened(data: bytes, container_format: str) -> AbstractContextManager[InputContainer]:
+    return opened(data, container_format, "video")
 
 
 def _sniff(data: bytes) -> str:
@@ -290,7 +284,7 @@ def _sniff(data: bytes) -> str:
         raise InvalidInput("the video is empty")
     if data[4:8] in _MP4_BOXES:
         return "mov"
-    if data.startswith(_MATROSKA_MAGIC):
+    if data.startswith(MATROSKA_MAGIC):
         return "matroska"
     if len(data) >= 2 * _TS_PACKET and data[0] == data[_TS_PACKET] == 0x47:
         return "mpegts"
@@ -442,7 +436,7 @@ def _check_header(container: av.container.InputContainer, limits: VideoLimits) -
             f"the video declares frames of {width}x{height} pixels; the limit is "
             f"{limits.max_frame_pixels} pixels a frame (video_max_frame_pixels)"
         )
-    seconds = _declared_seconds(container, stream)
+    seconds = declared_seconds(container, stream)
     if seconds is not None and seconds > limits.max_seconds:
         raise VideoTooBig(_over_seconds(f"declares {seconds:.1f}", limits))
     frames = stream.frames
@@ -450,16 +444,6 @@ def _check_header(container: av.container.InputContainer, limits: VideoLimits) -
         frames = math.ceil(seconds * float(stream.guessed_rate))
     _check_frames(frames, pixels, limits, "declares")
     return _Header(stream, codec, width, height)
-
-
-def _declared_seconds(
-    container: av.container.InputContainer, stream: av.video.stream.VideoStream
-) -> float | None:
-    if stream.duration is not None and stream.time_base is not None and stream.duration > 0:
-        return float(stream.duration * stream.time_base)
-    if container.duration is not None and container.duration > 0:
-        return container.duration / av.time_base
-    return None
 
 
 def _over_seconds(what: str, limits: VideoLimits) -> str:
